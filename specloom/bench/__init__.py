@@ -1,0 +1,1 @@
+"""Benchmark harness: candidate vs baseline, interleaved in one run."""

@@ -1,0 +1,118 @@
+"""`specloom` command line: `generate` and `bench`.
+
+Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
+with status 2; there is no traceback for a user's mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import SpecloomError
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="alias (smollm2-135m, gemma3-270m), a .gguf file or a HF model directory")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights and KV dtype (default bf16)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    p.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specloom", description="Exact speculative decoding in PyTorch.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log loading details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text and print speed statistics")
+    _common(g)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    b = sub.add_parser("bench", help="benchmark a candidate against a baseline, interleaved in one run")
+    _common(b)
+    b.add_argument("--prompts", required=True, help="JSONL file; each line has turns[0] or prompt")
+    b.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
+    b.add_argument("--baseline", choices=["plain", "hf"], default="plain",
+                   help="plain: specloom without speculation (default); hf: HF transformers generate (fp32)")
+    b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
+    b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the full report here")
+    return parser
+
+
+def _generate(args) -> int:
+    from .engine import load
+    from .sampling import SamplingParams
+
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
+    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype)
+    result = engine.generate(
+        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    print(result.text)
+    n = len(result.token_ids)
+    print(
+        f"\n[{n} tokens in {result.total_seconds:.2f} s: {result.tokens_per_second:.1f} tokens/s "
+        f"(prefill of {len(result.prompt_token_ids)} tokens {result.prefill_seconds * 1000:.0f} ms), "
+        f"{result.num_target_passes} target passes, mean accepted length {result.mean_accepted_length:.2f}, "
+        f"finish: {result.finish_reason}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _bench(args) -> int:
+    from .bench.harness import run_bench
+
+    run_bench(
+        args.model, prompts=args.prompts, limit=args.limit, max_tokens=args.max_tokens, dtype=args.dtype,
+        speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw,
+        json_out=args.json_out,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    if not args.verbose:
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    try:
+        return {"generate": _generate, "bench": _bench}[args.command](args)
+    except SpecloomError as e:
+        print(f"specloom: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Target-model configuration: one frozen dataclass for every supported family.
+
+`ModelConfig.from_hf(dict)` reads a HF `config.json`; the GGUF loader builds the same dict from GGUF metadata, so
+both loaders share one parser. `family` selects the model class from the registry in `specloom.models`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import SpecloomError
+
+# HF `model_type` -> our family (the decoder-block implementation).
+_FAMILY_OF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "gemma3": "gemma3",
+    "gemma3_text": "gemma3",
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.x frequency-dependent RoPE scaling (`rope_type: "llama3"`); `factor == 1` means none."""
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama with attention_bias)
+    o_proj_bias: bool = False  # Llama with attention_bias also biases o_proj; Qwen2 does not
+    qk_norm: bool = False  # Qwen3, Gemma-3: RMSNorm over each head of q and k
+    hidden_act: str = "silu"
+    # Gemma-3
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "sliding_attention" per layer
+    rope_local_theta: float | None = None  # RoPE base of sliding layers
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (default head_dim)
+    embedding_scale: float = 1.0  # Gemma multiplies embeddings by sqrt(hidden_size)
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def family(self) -> str:
+        return _FAMILY_OF_MODEL_TYPE[self.model_type]
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Parse a HF `config.json` dict (also accepts multimodal wrappers holding a `text_config`)."""
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        model_type = cfg.get("model_type")
+        if model_type not in _FAMILY_OF_MODEL_TYPE:
+            raise SpecloomError(
+                f"unsupported architecture {model_type!r}; specloom supports "
+                f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
+            inter = int(cfg["intermediate_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise SpecloomError(f"model config is missing the key {e.args[0]!r}") from None
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_theta = cfg.get("rope_theta")
+        rope_local_theta = cfg.get("rope_local_base_freq")
+        if "full_attention" in rope:  # transformers >= 5 nests per layer type
+            rope_local_theta = rope.get("sliding_attention", {}).get("rope_theta", rope_local_theta)
+            rope = rope["full_attention"]
+        rope_theta = float(rope_theta or rope.get("rope_theta") or 10000.0)
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=float(rope["factor"]),
+                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+                original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+            )
+        elif rope_type not in ("default", None) and not (rope_type == "linear" and float(rope.get("factor", 1)) == 1):
+            raise SpecloomError(f"unsupported RoPE scaling {rope_type!r} (supported: default, llama3)")
+
+        family = _FAMILY_OF_MODEL_TYPE[model_type]
+        layer_types: tuple[str, ...] = ()
+        sliding = cfg.get("sliding_window")
+        if family == "gemma3":
+            if cfg.get("layer_types"):
+                layer_types = tuple(cfg["layer_types"])
+            else:
+                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+                layer_types = tuple(
+                    "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+                )
+            rope_local_theta = float(rope_local_theta or 10000.0)
+        elif cfg.get("use_sliding_window") and sliding:
+            raise SpecloomError("sliding-window attention is only supported for Gemma-3 models")
+        else:
+            sliding = None
+        if cfg.get("attn_logit_softcapping"):
+            raise SpecloomError("attention logit soft-capping (Gemma-2) is not supported")
+
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=scaling,
+            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            sliding_window=int(sliding) if sliding else None,
+            layer_types=layer_types,
+            rope_local_theta=rope_local_theta if family == "gemma3" else None,
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            embedding_scale=math.sqrt(hidden) if family == "gemma3" else 1.0,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

@@ -1,0 +1,205 @@
+"""The engine: a loaded target (plus, later, a drafter) and the decoding loop with its statistics.
+
+`Engine.generate` takes a raw prompt, chat messages or token ids and returns a `GenerationResult`. Plain
+decoding is one prefill (in chunks) then one target pass per token; every pass that yields tokens counts in
+`num_target_passes`, so `mean_accepted_length` (tau) = generated tokens / passes = 1.0 for plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import SpecloomError
+from .kv import KVCache
+from .models import DecoderLM
+from .sampling import SamplingParams, sample_token
+from .speculative import SpeculativeConfig
+from .tokenizer import Tokenizer
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    num_target_passes: int
+    mean_accepted_length: float
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposed_per_position: list[int] = field(default_factory=list)  # drafts that proposed a k-th token
+    accepted_per_position: list[int] = field(default_factory=list)  # ... whose k-th token was accepted
+    prefill_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second, prefill included (as a user feels it)."""
+        return len(self.token_ids) / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens_per_second"] = self.tokens_per_second
+        d["acceptance_per_position"] = self.acceptance_per_position
+        d["num_prompt_tokens"] = len(self.prompt_token_ids)
+        d["num_generated_tokens"] = len(self.token_ids)
+        return d
+
+
+class StopChecker:
+    """Finds stop strings in the generated text; returns the text cut before the first one."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+
+    def check(self, ids: list[int]) -> str | None:
+        if not self.stop:
+            return None
+        text = self.tokenizer.decode(ids)
+        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        return text[:cut] if cut >= 0 else None
+
+
+class Engine:
+    def __init__(
+        self,
+        model: DecoderLM,
+        tokenizer: Tokenizer,
+        speculative_config: SpeculativeConfig | None = None,
+        max_model_len: int | None = None,
+        prefill_chunk: int = 512,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.speculative_config = speculative_config
+        self.max_model_len = min(max_model_len or model.config.max_position, model.config.max_position)
+        self.prefill_chunk = prefill_chunk
+        self._kv: KVCache | None = None
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None, chat: bool = False) -> list[int]:
+        if messages is not None:
+            return self.tokenizer.encode_chat(messages)
+        if prompt is None:
+            raise SpecloomError("give a prompt, chat messages or prompt token ids")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def _kv_for(self, n: int) -> KVCache:
+        if self._kv is None or self._kv.max_len < n:
+            size = min(self.max_model_len, max(n, 1024))
+            self._kv = self.model.new_kv(size)
+        self._kv.reset()
+        return self._kv
+
+    # -- decoding -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], kv: KVCache) -> torch.Tensor:
+        """Run the prompt through the target in chunks; return the logits (V,) of its last position."""
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start:start + self.prefill_chunk]
+            tokens = torch.tensor([chunk], device=self.model.device)
+            positions = torch.arange(start, start + len(chunk), device=self.model.device)[None]
+            logits = self.model(tokens, positions, kv, num_logits=1).logits
+            kv.commit()
+        return logits[0, -1]
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        chat: bool = False,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise SpecloomError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt, messages, chat)
+        if not ids:
+            raise SpecloomError("the prompt is empty")
+        if len(ids) + max_tokens > self.max_model_len:
+            raise SpecloomError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together they exceed the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        vocab = self.model.config.vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise SpecloomError(f"prompt token ids must lie in [0, {vocab})")
+        generator = None if params.greedy else params.generator(self.model.device)
+        eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
+        stopper = StopChecker(self.tokenizer, stop or [])
+
+        t0 = time.perf_counter()
+        kv = self._kv_for(len(ids) + max_tokens)
+        logits = self.prefill(ids, kv)
+        t_prefill = time.perf_counter() - t0
+        out: list[int] = []
+        passes = 1
+        finish = "length"
+        text = None
+        tok_buf = torch.empty(1, 1, dtype=torch.long, device=self.model.device)
+        pos_buf = torch.empty(1, 1, dtype=torch.long, device=self.model.device)
+        while True:
+            tok = sample_token(logits, params, generator)
+            out.append(tok)
+            if tok in eos:
+                finish = "stop"
+                break
+            text = stopper.check(out)
+            if text is not None:
+                finish = "stop"
+                break
+            if len(out) >= max_tokens:
+                break
+            tok_buf.fill_(tok)
+            pos_buf.fill_(len(ids) + len(out) - 1)
+            logits = self.model(tok_buf, pos_buf, kv).logits[0, -1]
+            kv.commit()
+            passes += 1
+        total = time.perf_counter() - t0
+        if text is None:
+            text = self.tokenizer.decode(out)
+        return GenerationResult(
+            text=text,
+            token_ids=out,
+            prompt_token_ids=ids,
+            finish_reason=finish,
+            num_target_passes=passes,
+            mean_accepted_length=len(out) / passes,
+            prefill_seconds=t_prefill,
+            total_seconds=total,
+        )
+
+
+def load(
+    model: str,
+    speculative_config: "str | dict | SpeculativeConfig | None" = None,
+    dtype: str | torch.dtype = "bf16",
+    max_model_len: int | None = None,
+    progress: bool = True,
+) -> Engine:
+    """Load a target (alias, .gguf file or HF directory) and return an `Engine`."""
+    from .loading import load_target
+
+    spec = SpeculativeConfig.parse(speculative_config)  # checked before the (slow) model load
+    target, tokenizer = load_target(model, dtype, progress=progress)
+    return Engine(target, tokenizer, spec, max_model_len=max_model_len)

@@ -1,0 +1,9 @@
+"""One exception type for every user-facing problem.
+
+Anything raised as `SpecloomError` is a bad input or an impossible setting: the CLI prints its message on one
+line and exits non-zero, without a traceback. Any other exception is a bug in specloom.
+"""
+
+
+class SpecloomError(Exception):
+    """A problem the user can fix: the message names it and, where possible, the fix."""

