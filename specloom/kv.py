@@ -34,6 +34,7 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S_max, d)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per-layer views (B, H_kv, S_max, d)
         self.max_len = max_len
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward pass, not yet committed
@@ -54,10 +55,11 @@ class KVCache:
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v `(B, H_kv, T, d)` at slots [start, start+T); return views of slots [0, start+T)."""
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        T = k.shape[2]
+        kl, vl = self.layers[layer]
+        kl.narrow(2, start, T).copy_(k)
+        vl.narrow(2, start, T).copy_(v)
+        return kl.narrow(2, 0, start + T), vl.narrow(2, 0, start + T)
 
     def commit(self, path: Sequence[int] | torch.Tensor | None = None) -> None:
         """Keep all pending entries (path None) or those at `path` (indices into the pending block)."""

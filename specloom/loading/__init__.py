@@ -129,7 +129,9 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
     return ModelConfig.from_hf(raw), raw
 
 
-def load_target(name: str, dtype: str | torch.dtype = "bf16", progress: bool = True) -> tuple[DecoderLM, Tokenizer]:
+def load_target(
+    name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True
+) -> tuple[DecoderLM, Tokenizer]:
     """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory."""
     dt = parse_dtype(dtype)
     source = resolve(name)
@@ -142,7 +144,8 @@ def load_target(name: str, dtype: str | torch.dtype = "bf16", progress: bool = T
     else:
         tensors = _hf_dir_tensors(source.path)
     model = build_model(config, convert_hf_state_dict(config, tensors, dt))
-    pack_linears(model)  # bf16 on CPU: oneDNN's packed layout, bit-identical and faster
+    if pack:
+        pack_linears(model)  # bf16 on CPU: oneDNN's packed layout, bit-identical and faster
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
     else:

@@ -66,17 +66,17 @@ class Rope(nn.Module):
         self.sin_table = torch.cat([-sin, sin], dim=-1).to(dtype)  # sign of rotate_half folded in
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, T) -> cos, signed sin (B, 1, T, d) in `dtype`."""
+        """positions (B, T) -> cos, signed sin (B, T, 1, d) in `dtype` (broadcast over heads of (B, T, H, d))."""
         need = int(positions.max()) + 1
         table = self.cos_table
         if table is None or need > table.shape[0] or table.dtype != dtype or table.device != positions.device:
             size = max(need, 4096, 0 if table is None else table.shape[0])
             self._build(size, dtype, positions.device)
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, d) rotated by position (HF's rotate_half convention: element i pairs with i + d/2).
+    """x (B, T, H, d) rotated by position (HF's rotate_half convention: element i pairs with i + d/2).
     rotate_half(x) * sin == roll(x, d/2) * signed_sin, with signed_sin = [-sin, sin]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
@@ -133,44 +133,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, H)
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
+        H = self.n_heads
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv, self.head_dim)
+        qk, v = qkv.split((H + self.n_kv, self.n_kv), dim=2)  # (B, T, H + H_kv, d), (B, T, H_kv, d)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, d)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         cos, sin = ctx.cos_sin[self.kind]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        keys, values = ctx.kv.write(self.layer, ctx.start, k, v)  # (B, H_kv, S, d)
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, d), (B, H_kv, T, d)
+        keys, values = ctx.kv.write(self.layer, ctx.start, k, v.transpose(1, 2))  # (B, H_kv, S, d)
         window = ctx.windows.get(self.kind)
         if window is not None:
             keys, values = keys[:, :, -window:], values[:, :, -window:]
         mask = ctx.masks.get(self.kind)
-        if T <= SMALL_T:
-            out = self._small_attention(q, keys, values, mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, is_causal=ctx.causal and mask is None,
-                scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
-            )  # (B, H, T, d)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-
-    def _small_attention(self, q, keys, values, mask):
-        """Attention for a few queries (decode, verification): plain matmuls with the query heads of each KV
-        group stacked, which on CPU costs a fraction of SDPA's kernel launch. Softmax in fp32."""
-        B, H, T, d = q.shape
-        rep = H // self.n_kv
-        qg = q.reshape(B, self.n_kv, rep * T, d)  # heads h = g * rep + r share KV group g
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # (B, H_kv, rep*T, S)
-        if mask is not None:  # (B, 1, T, S) -> (B, 1, rep*T, S)
-            scores = scores.masked_fill(~mask.repeat(1, 1, rep, 1), float("-inf"))
-        elif T > 1:
-            S = keys.shape[2]
-            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-            scores = scores.masked_fill(~causal.repeat(rep, 1), float("-inf"))
-        probs = scores.softmax(-1).to(values.dtype)
-        return torch.matmul(probs, values).view(B, H, T, d)
-
-
-SMALL_T = 64  # queries per pass up to which `_small_attention` beats SDPA on CPU
+        out = F.scaled_dot_product_attention(
+            q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=ctx.causal and mask is None,
+            scale=self.scale, enable_gqa=self.n_kv != self.n_heads,
+        )  # (B, H, T, d) in the KV dtype
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype))

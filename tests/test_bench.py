@@ -1,0 +1,49 @@
+"""The benchmark harness on a tiny model: report keys, interleaving, identity check, both baselines."""
+
+import json
+
+import pytest
+
+from specloom.bench.harness import read_prompts, run_bench
+from specloom.errors import SpecloomError
+
+
+@pytest.fixture()
+def prompts_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    rows = [
+        {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w8"]},
+        {"question_id": 2, "category": "math", "turns": ["w9 w10 w11", "second turn ignored"]},
+        {"prompt": "w12 w13 w14 w15 w16"},
+        {"question_id": 4, "category": "qa", "turns": ["w20 w21"]},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("baseline", ["plain", "hf"])
+def test_bench_report(tiny, prompts_file, tmp_path, baseline):
+    t = tiny("llama")
+    out = tmp_path / "report.json"
+    report = run_bench(t.path, prompts=str(prompts_file), limit=3, max_tokens=8, dtype="fp32",
+                       baseline=baseline, json_out=str(out), progress=False)
+    saved = json.loads(out.read_text())
+    assert saved["num_prompts"] == report["num_prompts"] == 3
+    for key in ("speedup", "baseline_tokens_per_second", "candidate_tokens_per_second", "mean_accepted_length",
+                "acceptance_per_position", "identical_outputs", "prompts"):
+        assert key in saved, key
+    assert saved["mean_accepted_length"] == 1.0  # plain decoding: one token per target pass
+    assert saved["identical_outputs"] == 3  # fp32 greedy: specloom == itself, and == HF on the same weights
+    assert [p["category"] for p in saved["prompts"]] == ["writing", "math", None]
+    assert all(p["baseline_tokens_per_second"] > 0 and p["candidate_tokens_per_second"] > 0 for p in saved["prompts"])
+    assert saved["speedup"] > 0
+
+
+def test_read_prompts_errors(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"nothing": 1}\n')
+    with pytest.raises(SpecloomError, match="bad.jsonl:2"):
+        read_prompts(str(bad))
+    with pytest.raises(SpecloomError, match="no such prompts file"):
+        read_prompts(str(tmp_path / "missing.jsonl"))
+    assert [r["text"] for r in read_prompts(str(bad), limit=1)] == ["ok"]
