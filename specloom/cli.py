@@ -27,6 +27,8 @@ def _positive_int(value: str) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="alias (smollm2-135m, gemma3-270m), a .gguf file or a HF model directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights and KV dtype (default bf16)")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="KV cache dtype (auto: fp32 on CPU, faster there for attention over few queries)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
@@ -64,7 +66,7 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
-    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype)
+    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype)
     result = engine.generate(
         args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -89,7 +91,7 @@ def _bench(args) -> int:
 
     run_bench(
         args.model, prompts=args.prompts, limit=args.limit, max_tokens=args.max_tokens, dtype=args.dtype,
-        speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw,
+        speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
         json_out=args.json_out,
     )
     return 0

@@ -76,8 +76,10 @@ class Engine:
         speculative_config: SpeculativeConfig | None = None,
         max_model_len: int | None = None,
         prefill_chunk: int = 512,
+        kv_dtype: torch.dtype | None = None,
     ):
         self.model = model
+        self.kv_dtype = kv_dtype  # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv)
         self.tokenizer = tokenizer
         self.speculative_config = speculative_config
         self.max_model_len = min(max_model_len or model.config.max_position, model.config.max_position)
@@ -97,7 +99,7 @@ class Engine:
     def _kv_for(self, n: int) -> KVCache:
         if self._kv is None or self._kv.max_len < n:
             size = min(self.max_model_len, max(n, 1024))
-            self._kv = self.model.new_kv(size)
+            self._kv = self.model.new_kv(size, dtype=self.kv_dtype)
         self._kv.reset()
         return self._kv
 
@@ -196,10 +198,13 @@ def load(
     dtype: str | torch.dtype = "bf16",
     max_model_len: int | None = None,
     progress: bool = True,
+    kv_dtype: str | torch.dtype | None = None,
 ) -> Engine:
-    """Load a target (alias, .gguf file or HF directory) and return an `Engine`."""
-    from .loading import load_target
+    """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` None = automatic
+    (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere)."""
+    from .loading import load_target, parse_dtype
 
     spec = SpeculativeConfig.parse(speculative_config)  # checked before the (slow) model load
+    kv_dt = None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype)
     target, tokenizer = load_target(model, dtype, progress=progress)
-    return Engine(target, tokenizer, spec, max_model_len=max_model_len)
+    return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt)

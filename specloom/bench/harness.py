@@ -99,9 +99,10 @@ def run_bench(
     chat: bool = True,
     json_out: str | None = None,
     progress: bool = True,
+    kv_dtype: str | None = None,
 ) -> dict:
     rows = read_prompts(prompts, limit)
-    engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress)
+    engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype)
     candidate = EngineRunner(engine, "specloom" + (f"+{engine.speculative_config.method}"
                                                    if engine.speculative_config else ""))
     if baseline == "hf":
@@ -109,7 +110,8 @@ def run_bench(
 
         base = HFRunner(HFBaseline(model, engine.tokenizer.eos_token_ids))
     elif baseline == "plain":
-        base = EngineRunner(Engine(engine.model, engine.tokenizer, None, engine.max_model_len), "specloom-plain")
+        base = EngineRunner(Engine(engine.model, engine.tokenizer, None, engine.max_model_len,
+                                   kv_dtype=engine.kv_dtype), "specloom-plain")
     else:
         raise SpecloomError(f"unknown baseline {baseline!r} (plain or hf)")
     use_chat = chat and engine.tokenizer.has_chat_template
@@ -161,6 +163,7 @@ def run_bench(
     report = {
         "model": model,
         "dtype": dtype,
+        "kv_dtype": str(engine.model.new_kv(1, engine.kv_dtype).dtype).replace("torch.", ""),
         "baseline": base.name + (" (fp32)" if baseline == "hf" else f" ({dtype})"),
         "candidate": candidate.name,
         "speculative_config": engine.speculative_config.__dict__ if engine.speculative_config else None,
