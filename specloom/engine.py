@@ -1,8 +1,14 @@
 """The engine: a loaded target (plus, later, a drafter) and the decoding loop with its statistics.
 
-`Engine.generate` takes a raw prompt, chat messages or token ids and returns a `GenerationResult`. Plain
-decoding is one prefill (in chunks) then one target pass per token; every pass that yields tokens counts in
-`num_target_passes`, so `mean_accepted_length` (tau) = generated tokens / passes = 1.0 for plain decoding.
+`Engine.generate` takes a raw prompt, chat messages or token ids and returns a `GenerationResult`. After the
+prefill, every step is the same loop, with or without a drafter (plain decoding is the root-only tree):
+
+    tree = drafter.propose(ctx)                                   # root = last chosen token
+    out  = target(tree.tokens, kv.length + tree.depth, kv, attn_mask=tree.ancestor_mask, capture=...)
+    res  = verify(tree, out.logits, params, generator)
+    kv.commit(res.path); drafter.on_verified(ctx, res, out); stats.record(tree, res)
+
+Every pass that yields tokens counts in `num_target_passes`, so tau = generated tokens / passes (1.0 plain).
 """
 
 from __future__ import annotations
@@ -13,11 +19,16 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import SpecloomError
+from .drafters import DRAFTERS, DraftContext, Drafter
 from .kv import KVCache
-from .models import DecoderLM
+from .models import DecoderLM, ForwardOutput
 from .sampling import SamplingParams, sample_token
 from .speculative import SpeculativeConfig
 from .tokenizer import Tokenizer
+from .tree import DraftTree
+from .verify import VerifyResult, verify
+
+TREE_SLACK = 256  # KV slots beyond the sequence for the nodes of one draft tree
 
 
 @dataclass
@@ -27,7 +38,7 @@ class GenerationResult:
     prompt_token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) | "length"
     num_target_passes: int
-    mean_accepted_length: float
+    mean_accepted_length: float  # tau: tokens per verification step (the prefill's first token excluded)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     proposed_per_position: list[int] = field(default_factory=list)  # drafts that proposed a k-th token
@@ -82,6 +93,10 @@ class Engine:
         self.kv_dtype = kv_dtype  # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv)
         self.tokenizer = tokenizer
         self.speculative_config = speculative_config
+        self.drafter: Drafter | None = (
+            DRAFTERS[speculative_config.method].create(speculative_config, model, tokenizer)
+            if speculative_config else None
+        )
         self.max_model_len = min(max_model_len or model.config.max_position, model.config.max_position)
         self.prefill_chunk = prefill_chunk
         self._kv: KVCache | None = None
@@ -105,16 +120,17 @@ class Engine:
 
     # -- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: list[int], kv: KVCache) -> torch.Tensor:
-        """Run the prompt through the target in chunks; return the logits (V,) of its last position."""
-        logits = None
+    def prefill(self, ids: list[int], kv: KVCache, capture: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run the prompt through the target in chunks; return the last chunk's output (logits of its last
+        position only; hidden states of the chunk when `capture` asks for them)."""
+        out = None
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start:start + self.prefill_chunk]
             tokens = torch.tensor([chunk], device=self.model.device)
             positions = torch.arange(start, start + len(chunk), device=self.model.device)[None]
-            logits = self.model(tokens, positions, kv, num_logits=1).logits
+            out = self.model(tokens, positions, kv, capture=capture, num_logits=1)
             kv.commit()
-        return logits[0, -1]
+        return out
 
     @torch.inference_mode()
     def generate(
@@ -149,34 +165,52 @@ class Engine:
         generator = None if params.greedy else params.generator(self.model.device)
         eos = frozenset() if ignore_eos else self.tokenizer.eos_token_ids
         stopper = StopChecker(self.tokenizer, stop or [])
+        drafter = self.drafter
+        capture = drafter.needs_hidden if drafter else ()
+        stats = _Stats()
 
         t0 = time.perf_counter()
-        kv = self._kv_for(len(ids) + max_tokens)
-        logits = self.prefill(ids, kv)
+        kv = self._kv_for(len(ids) + max_tokens + TREE_SLACK)
+        target_out = self.prefill(ids, kv, capture)
+        tokens = list(ids)  # the whole sequence; tokens[-1] is the root: chosen, not yet run by the target
+        first = sample_token(target_out.logits[0, -1], params, generator)
+        ctx = DraftContext(tokens, len(ids), params, generator, 0)
+        if drafter:
+            drafter.prefill(ctx, target_out)
         t_prefill = time.perf_counter() - t0
         out: list[int] = []
-        passes = 1
-        finish = "length"
-        text = None
-        tok_buf = torch.empty(1, 1, dtype=torch.long, device=self.model.device)
-        pos_buf = torch.empty(1, 1, dtype=torch.long, device=self.model.device)
+        finish, text = None, None
+        emitted = [first]
+        device = self.model.device
         while True:
-            tok = sample_token(logits, params, generator)
-            out.append(tok)
-            if tok in eos:
-                finish = "stop"
+            for tok in emitted:  # EOS, stop strings and max_tokens cut inside a multi-token step
+                out.append(tok)
+                tokens.append(tok)
+                if tok in eos:
+                    finish = "stop"
+                    break
+                text = stopper.check(out)
+                if text is not None:
+                    finish = "stop"
+                    break
+                if len(out) >= max_tokens:
+                    finish = "length"
+                    break
+            if finish:
                 break
-            text = stopper.check(out)
-            if text is not None:
-                finish = "stop"
-                break
-            if len(out) >= max_tokens:
-                break
-            tok_buf.fill_(tok)
-            pos_buf.fill_(len(ids) + len(out) - 1)
-            logits = self.model(tok_buf, pos_buf, kv).logits[0, -1]
-            kv.commit()
-            passes += 1
+            # one speculative step: propose -> one target pass over the tree -> verify -> commit
+            ctx.k = min(drafter.num_speculative_tokens, max_tokens - len(out) - 1) if drafter else 0
+            tree = drafter.propose(ctx) if ctx.k > 0 else DraftTree([tokens[-1]], [-1])
+            x = torch.tensor([tree.tokens], device=device)
+            pos = torch.tensor([tree.positions(kv.length)], device=device)
+            mask = None if tree.is_chain else tree.ancestor_mask(device)
+            target_out = self.model(x, pos, kv, attn_mask=mask, capture=capture)
+            result = verify(tree, target_out.logits[0], params, generator)
+            kv.commit(result.path)
+            if drafter:
+                drafter.on_verified(ctx, result, target_out)
+            stats.record(tree, result)
+            emitted = result.tokens
         total = time.perf_counter() - t0
         if text is None:
             text = self.tokenizer.decode(out)
@@ -185,11 +219,47 @@ class Engine:
             token_ids=out,
             prompt_token_ids=ids,
             finish_reason=finish,
-            num_target_passes=passes,
-            mean_accepted_length=len(out) / passes,
+            num_target_passes=stats.passes,
+            mean_accepted_length=stats.tau(len(out)),
+            num_draft_tokens=stats.drafted,
+            num_accepted_tokens=stats.accepted,
+            proposed_per_position=stats.proposed_at,
+            accepted_per_position=stats.accepted_at,
             prefill_seconds=t_prefill,
             total_seconds=total,
         )
+
+
+class _Stats:
+    """Per-request counters. `passes` counts every target pass that yields tokens, the prefill included (it
+    yields the first token). tau (mean accepted length) counts verification steps only, as vLLM and Spec-Bench
+    do: tokens emitted by verification steps / verification steps = 1 + accepted / steps; 1.0 when plain."""
+
+    def __init__(self):
+        self.passes = 1
+        self.drafted = 0
+        self.accepted = 0
+        self.proposed_at: list[int] = []
+        self.accepted_at: list[int] = []
+
+    def tau(self, num_tokens: int) -> float:
+        steps = self.passes - 1
+        return (num_tokens - 1) / steps if steps else 1.0
+
+    def record(self, tree: DraftTree, result: VerifyResult) -> None:
+        self.passes += 1
+        if len(tree) == 1:
+            return
+        self.drafted += len(tree) - 1
+        self.accepted += result.num_accepted
+        depth = tree.max_depth
+        while len(self.proposed_at) < depth:
+            self.proposed_at.append(0)
+            self.accepted_at.append(0)
+        for d in range(depth):
+            self.proposed_at[d] += 1
+        for d in range(result.num_accepted):
+            self.accepted_at[d] += 1
 
 
 def load(

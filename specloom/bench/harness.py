@@ -56,6 +56,7 @@ class Run:
     passes: int = 0
     proposed: list[int] | None = None
     accepted: list[int] | None = None
+    tau: float = 1.0
 
     @property
     def tps(self) -> float:
@@ -69,7 +70,7 @@ class EngineRunner:
     def run(self, ids: list[int], max_tokens: int) -> Run:
         r = self.engine.generate(prompt_token_ids=ids, max_tokens=max_tokens)
         return Run(r.token_ids, r.total_seconds, r.num_target_passes, r.proposed_per_position,
-                   r.accepted_per_position)
+                   r.accepted_per_position, r.mean_accepted_length)
 
 
 class HFRunner:
@@ -152,7 +153,7 @@ def run_bench(
             "baseline_tokens_per_second": b.tps,
             "candidate_tokens_per_second": c.tps,
             "speedup": c.tps / b.tps if b.tps else 0.0,
-            "mean_accepted_length": len(c.tokens) / c.passes if c.passes else 0.0,
+            "mean_accepted_length": c.tau,
             "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(c.accepted or [], c.proposed or [])],
             "identical": b.tokens == c.tokens,
             "first_difference": next((j for j, (x, y) in enumerate(zip(b.tokens, c.tokens)) if x != y),
@@ -175,7 +176,8 @@ def run_bench(
         "baseline_tokens_per_second": b_tps,
         "candidate_tokens_per_second": c_tps,
         "candidate_ms_per_token": 1000 / c_tps,
-        "mean_accepted_length": tot["c_tok"] / tot["c_pass"] if tot["c_pass"] else 0.0,
+        "mean_accepted_length": (tot["c_tok"] - len(rows)) / (tot["c_pass"] - len(rows))
+        if tot["c_pass"] > len(rows) else 1.0,
         "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
         "identical_outputs": sum(p["identical"] for p in per_prompt),
         "prefill_included": True,

@@ -1,6 +1,7 @@
-"""Drafters register themselves here by name (`@register("ngram")`); the engine looks them up, never branches
-on the method name. The speculative core (propose -> verify -> commit) arrives with the drafters."""
+"""Drafters register themselves by name (`@register("ngram")`); importing this package registers all of them.
+The engine looks a method up in `DRAFTERS` and never branches on its name."""
 
-from .base import DRAFTERS, register
+from . import draft_model, ngram  # noqa: F401  (registration)
+from .base import DRAFTERS, DraftContext, Drafter, register
 
-__all__ = ["DRAFTERS", "register"]
+__all__ = ["DRAFTERS", "DraftContext", "Drafter", "register"]

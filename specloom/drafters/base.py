@@ -1,8 +1,27 @@
-"""Drafter registry. A drafter class registers under the `method` name users pass in `--speculative-config`."""
+"""The drafter protocol and registry.
+
+A drafter proposes a `DraftTree` each step; the engine runs the target once over it, verifies, commits the
+accepted path, and tells the drafter what happened so it can roll back its own state:
+
+    prefill(ctx, target_out)           after the prompt's prefill (target_out: the last chunk's ForwardOutput)
+    propose(ctx) -> DraftTree          root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
+    on_verified(ctx, result, target_out)
+
+`needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the drafter
+reads; the engine captures them in every target pass. Drafter classes register under their `method` name with
+`@register("name")` and are built by `create(spec, target, tokenizer)`; the engine never branches on the name.
+"""
 
 from __future__ import annotations
 
-DRAFTERS: dict[str, type] = {}
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tree import DraftTree
+
+DRAFTERS: dict[str, type["Drafter"]] = {}
 
 
 def register(name: str):
@@ -10,6 +29,38 @@ def register(name: str):
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
         DRAFTERS[name] = cls
+        cls.method = name
         return cls
 
     return deco
+
+
+@dataclass
+class DraftContext:
+    tokens: list[int]  # prompt + generated so far; tokens[-1] is the root (chosen, not yet run by the target)
+    num_prompt_tokens: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    k: int  # how many tokens deep to draft this step (already capped by the remaining budget)
+
+
+class Drafter:
+    method: str = ""
+    needs_hidden: tuple[int, ...] = ()
+
+    @classmethod
+    def create(cls, spec, target, tokenizer) -> "Drafter":
+        raise NotImplementedError
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        raise NotImplementedError
+
+    def prefill(self, ctx: DraftContext, target_out) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        raise NotImplementedError
+
+    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
+        pass

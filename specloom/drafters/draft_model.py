@@ -1,0 +1,102 @@
+"""A separate small causal LM as drafter: its own KV cache, a chain of k tokens per step.
+
+The draft model must share the target's tokenizer (same vocabulary, same ids); anything else is refused. Under
+sampling each draft token is drawn from q = probs_from_logits(draft logits, same params) and q travels in the
+tree, so verification is exact; under greedy the drafts are q's argmax.
+
+State: the draft KV holds a prefix of the sequence. `propose` feeds what it has not seen (at least the root),
+then its own drafts one by one; `on_verified` truncates its KV to what the target accepted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecloomError
+from ..sampling import probs_from_logits
+from ..tree import DraftTree
+from .base import DraftContext, Drafter, register
+
+DEFAULT_K = 4
+
+
+def check_same_vocabulary(target, target_tok, draft, draft_tok, name: str) -> None:
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise SpecloomError(
+            f"draft model {name!r} has a vocabulary of {draft.config.vocab_size} tokens, the target "
+            f"{target.config.vocab_size}: a draft model must use the target's tokenizer"
+        )
+    if target_tok is not None and draft_tok is not None and target_tok.hf.get_vocab() != draft_tok.hf.get_vocab():
+        raise SpecloomError(f"draft model {name!r} uses another tokenizer than the target (token ids differ)")
+
+
+@register("draft_model")
+class DraftModelDrafter(Drafter):
+    def __init__(self, model, k: int = DEFAULT_K):
+        self.model = model
+        self.k = k
+        self.kv = None
+        self._seen = 0  # sequence tokens whose KV the draft cache holds
+
+    @classmethod
+    def create(cls, spec, target, tokenizer) -> "DraftModelDrafter":
+        from ..loading import load_target, resolve
+
+        if not spec.model:
+            raise SpecloomError('method "draft_model" needs "model": the draft model (alias, .gguf or directory)')
+        source = getattr(target, "source", None)
+        if source is not None and resolve(spec.model).path == source.path:
+            model, draft_tok = target, tokenizer  # the target drafting for itself: share the weights
+        else:
+            model, draft_tok = load_target(spec.model, target.dtype, progress=False)
+        check_same_vocabulary(target, tokenizer, model, draft_tok, spec.model)
+        return cls(model, spec.num_speculative_tokens or DEFAULT_K)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.k
+
+    def _ensure_kv(self, need: int) -> None:
+        if self.kv is None or self.kv.max_len < need:
+            self.kv = self.model.new_kv(max(need, 2048))
+            self._seen = 0
+
+    def prefill(self, ctx: DraftContext, target_out) -> None:
+        self._ensure_kv(len(ctx.tokens) + 4096)
+        self.kv.reset()
+        self._seen = 0
+
+    @torch.inference_mode()
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed `tokens` at the next positions; return the logits (V,) after the last one."""
+        start = self.kv.length
+        x = torch.tensor([tokens], device=self.model.device)
+        pos = torch.arange(start, start + len(tokens), device=self.model.device)[None]
+        logits = self.model(x, pos, self.kv, num_logits=1).logits[0, -1]
+        self.kv.commit()
+        return logits
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        root = ctx.tokens[-1]
+        if ctx.k <= 0:
+            return DraftTree.chain(root, [])
+        self._ensure_kv(len(ctx.tokens) + ctx.k + 1)
+        self.kv.truncate(min(self._seen, len(ctx.tokens) - 1))
+        logits = self._step(ctx.tokens[self.kv.length:])
+        drafts, qs = [], []
+        for i in range(ctx.k):
+            if ctx.params.greedy:
+                tok = int(logits.argmax())
+            else:
+                q = probs_from_logits(logits, ctx.params)
+                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
+                qs.append(q)
+            drafts.append(tok)
+            if i + 1 < ctx.k:
+                logits = self._step([tok])
+        self._seen = self.kv.length  # = len(tokens) + k - 1
+        return DraftTree.chain(root, drafts, torch.stack(qs) if qs else None)
+
+    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
+        # valid draft KV: the sequence up to the root, plus the accepted drafts that were fed (all but the last)
+        self._seen = min(self._seen, len(ctx.tokens) + result.num_accepted)

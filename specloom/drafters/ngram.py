@@ -1,0 +1,57 @@
+"""Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the sequence's last n tokens
+(n from `prompt_lookup_max` down to `prompt_lookup_min`) and propose the k tokens that followed it.
+No model, no distribution: the verifier treats each draft as a one-hot q. Keys as in vLLM."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SpecloomError
+from ..tree import DraftTree
+from .base import DraftContext, Drafter, register
+
+DEFAULT_K = 4
+DEFAULT_MIN, DEFAULT_MAX = 1, 4
+
+
+@register("ngram")
+class NgramDrafter(Drafter):
+    def __init__(self, k: int = DEFAULT_K, lookup_min: int = DEFAULT_MIN, lookup_max: int = DEFAULT_MAX):
+        if not 1 <= lookup_min <= lookup_max:
+            raise SpecloomError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lookup_min} and {lookup_max}"
+            )
+        self.k, self.lookup_min, self.lookup_max = k, lookup_min, lookup_max
+        self._arr = np.zeros(0, dtype=np.int64)
+
+    @classmethod
+    def create(cls, spec, target, tokenizer) -> "NgramDrafter":
+        hi = spec.prompt_lookup_max or max(spec.prompt_lookup_min or 0, DEFAULT_MAX)
+        lo = spec.prompt_lookup_min or min(DEFAULT_MIN, hi)
+        return cls(spec.num_speculative_tokens or DEFAULT_K, lo, hi)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.k
+
+    def _history(self, tokens: list[int]) -> np.ndarray:
+        n = len(self._arr)
+        if n > len(tokens) or (n and self._arr[-1] != tokens[n - 1]):
+            n = 0  # a new sequence
+        if n < len(tokens):
+            self._arr = np.concatenate([self._arr[:n], np.asarray(tokens[n:], dtype=np.int64)])
+        return self._arr
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        arr = self._history(tokens)
+        L = len(arr)
+        for n in range(min(self.lookup_max, L - 1), self.lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # earlier n-grams (not the suffix)
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # the latest match
+                return arr[start:start + k].tolist()
+        return []
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree.chain(ctx.tokens[-1], self.lookup(ctx.tokens, ctx.k) if ctx.k > 0 else [])
