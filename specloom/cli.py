@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("--prompts", required=True, help="JSONL file; each line has turns[0] or prompt")
     b.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
+    b.add_argument("--per-category", type=_positive_int, default=None, help="use the first N prompts of each category")
+    b.add_argument("--categories", default=None, help="comma-separated categories to keep (e.g. summarization,rag)")
     b.add_argument("--baseline", choices=["plain", "hf"], default="plain",
                    help="plain: specloom without speculation (default); hf: HF transformers generate (fp32)")
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
@@ -90,7 +92,9 @@ def _bench(args) -> int:
     from .bench.harness import run_bench
 
     run_bench(
-        args.model, prompts=args.prompts, limit=args.limit, max_tokens=args.max_tokens, dtype=args.dtype,
+        args.model, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
+        categories=args.categories.split(",") if args.categories else None,
+        max_tokens=args.max_tokens, dtype=args.dtype,
         speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
         json_out=args.json_out,
     )

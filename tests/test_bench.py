@@ -47,3 +47,29 @@ def test_read_prompts_errors(tmp_path):
     with pytest.raises(SpecloomError, match="no such prompts file"):
         read_prompts(str(tmp_path / "missing.jsonl"))
     assert [r["text"] for r in read_prompts(str(bad), limit=1)] == ["ok"]
+
+
+def test_per_category(prompts_file):
+    rows = read_prompts(str(prompts_file), per_category=1)
+    assert [r["category"] for r in rows] == ["writing", "math", None, "qa"]
+    rows = read_prompts(str(prompts_file), per_category=1, limit=2)
+    assert len(rows) == 2
+
+
+def test_divergence_margin_is_the_top2_gap(tiny):
+    import torch
+
+    from specloom import Engine
+    from specloom.bench.harness import divergence_margin
+
+    t = tiny("llama")
+    e = Engine(t.model, t.tokenizer)
+    ids = [5, 6, 7]
+    a = e.generate(prompt_token_ids=ids, max_tokens=6, ignore_eos=True).token_ids
+    b = a[:3] + [(a[3] + 1) % 256] + a[4:]
+    seq = ids + a[:3]
+    kv = t.model.new_kv(16)
+    logits = t.model(torch.tensor([seq]), torch.arange(len(seq))[None], kv).logits[0, -1]
+    top = logits.topk(2).values
+    assert abs(divergence_margin(e, ids, a, b) - float(top[0] - top[1])) < 1e-6
+    assert divergence_margin(e, ids, a, a) is None

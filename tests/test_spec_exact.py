@@ -168,7 +168,7 @@ def test_stop_inside_a_multi_token_step(tiny):
 def test_draft_model_with_other_vocabulary_refused(tiny, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tests.conftest import save_tiny_tokenizer
+    from conftest import save_tiny_tokenizer
 
     cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                       num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=128)

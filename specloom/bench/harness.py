@@ -23,8 +23,11 @@ from ..engine import Engine, load
 from ..errors import SpecloomError
 
 
-def read_prompts(path: str, limit: int | None = None) -> list[dict]:
-    """JSONL with `turns[0]` (Spec-Bench, MT-bench) or `prompt`; keeps `category` and an id when present."""
+def read_prompts(
+    path: str, limit: int | None = None, per_category: int | None = None, categories: list[str] | None = None
+) -> list[dict]:
+    """JSONL with `turns[0]` (Spec-Bench, MT-bench) or `prompt`; keeps `category` and an id when present.
+    `categories` keeps only those; `per_category` the first N of each (in file order); `limit` caps the total."""
     if not os.path.isfile(path):
         raise SpecloomError(f"{path}: no such prompts file")
     rows = []
@@ -40,8 +43,12 @@ def read_prompts(path: str, limit: int | None = None) -> list[dict]:
             text = text if isinstance(text, str) else (obj.get("prompt") if isinstance(obj, dict) else None)
             if not isinstance(text, str) or not text:
                 raise SpecloomError(f"{path}:{lineno}: needs a non-empty turns[0] or prompt")
-            rows.append({"id": obj.get("question_id", obj.get("id", lineno)), "category": obj.get("category"),
-                         "text": text})
+            row = {"id": obj.get("question_id", obj.get("id", lineno)), "category": obj.get("category"), "text": text}
+            if categories and row["category"] not in categories:
+                continue
+            if per_category and sum(r["category"] == row["category"] for r in rows) >= per_category:
+                continue
+            rows.append(row)
             if limit and len(rows) >= limit:
                 break
     if not rows:
@@ -101,8 +108,10 @@ def run_bench(
     json_out: str | None = None,
     progress: bool = True,
     kv_dtype: str | None = None,
+    per_category: int | None = None,
+    categories: list[str] | None = None,
 ) -> dict:
-    rows = read_prompts(prompts, limit)
+    rows = read_prompts(prompts, limit, per_category, categories)
     engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype)
     candidate = EngineRunner(engine, "specloom" + (f"+{engine.speculative_config.method}"
                                                    if engine.speculative_config else ""))
@@ -144,6 +153,8 @@ def run_bench(
         tot["c_pass"] += c.passes
         _add(proposed, c.proposed)
         _add(accepted, c.accepted)
+        diverged = b.tokens != c.tokens
+        margin = divergence_margin(engine, ids, b.tokens, c.tokens) if diverged and baseline == "plain" else None
         per_prompt.append({
             "id": row["id"],
             "category": row["category"],
@@ -155,7 +166,8 @@ def run_bench(
             "speedup": c.tps / b.tps if b.tps else 0.0,
             "mean_accepted_length": c.tau,
             "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(c.accepted or [], c.proposed or [])],
-            "identical": b.tokens == c.tokens,
+            "identical": not diverged,
+            "top2_margin_at_divergence": margin,
             "first_difference": next((j for j, (x, y) in enumerate(zip(b.tokens, c.tokens)) if x != y),
                                      None if b.tokens == c.tokens else min(len(b.tokens), len(c.tokens))),
         })
@@ -198,13 +210,30 @@ def run_bench(
     return report
 
 
+@torch.inference_mode()
+def divergence_margin(engine: Engine, ids: list[int], a: list[int], b: list[int]) -> float | None:
+    """The target's top-1 minus top-2 logit at the first position where two greedy outputs part: a near-tie
+    (small margin) means the split comes from rounding, not from a bug."""
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        return None
+    model = engine.model
+    seq = ids + a[:j]
+    kv = model.new_kv(len(seq) + 1, engine.kv_dtype)
+    out = model(torch.tensor([seq]), torch.arange(len(seq))[None], kv, num_logits=1).logits[0, -1]
+    top = out.topk(2).values
+    return float(top[0] - top[1])
+
+
 def print_table(report: dict, file=sys.stdout) -> None:
     w = file.write
     w(f"\n{'id':>6} {'category':<15} {'base tok/s':>10} {'cand tok/s':>10} {'speedup':>8} {'tau':>5} {'same':>5}\n")
     for p in report["prompts"]:
         w(f"{str(p['id']):>6} {str(p['category'] or '-'):<15} {p['baseline_tokens_per_second']:>10.1f} "
           f"{p['candidate_tokens_per_second']:>10.1f} {p['speedup']:>7.2f}x {p['mean_accepted_length']:>5.2f} "
-          f"{'yes' if p['identical'] else 'no':>5}\n")
+          f"{'yes' if p['identical'] else 'no':>5}"
+          + (f"  (top-2 margin {p['top2_margin_at_divergence']:.3f})" if p.get("top2_margin_at_divergence") is not None
+             else "") + "\n")
     w(f"\n{report['candidate']} vs {report['baseline']}: speedup {report['speedup']:.2f}x (median), "
       f"{report['speedup_aggregate']:.2f}x (aggregate); {report['candidate_tokens_per_second']:.1f} vs "
       f"{report['baseline_tokens_per_second']:.1f} tokens/s; tau {report['mean_accepted_length']:.2f}; "
