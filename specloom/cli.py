@@ -78,11 +78,16 @@ def _generate(args) -> int:
         return 0
     print(result.text)
     n = len(result.token_ids)
+    spec = ""
+    if engine.drafter is not None:
+        alpha = ", ".join(f"{a:.2f}" for a in result.acceptance_per_position)
+        spec = (f", {engine.drafter.method}: {result.num_accepted_tokens}/{result.num_draft_tokens} drafted tokens "
+                f"accepted, acceptance per position [{alpha}]")
     print(
         f"\n[{n} tokens in {result.total_seconds:.2f} s: {result.tokens_per_second:.1f} tokens/s "
         f"(prefill of {len(result.prompt_token_ids)} tokens {result.prefill_seconds * 1000:.0f} ms), "
-        f"{result.num_target_passes} target passes, mean accepted length {result.mean_accepted_length:.2f}, "
-        f"finish: {result.finish_reason}]",
+        f"{result.num_target_passes} target passes, mean accepted length {result.mean_accepted_length:.2f}"
+        f"{spec}, finish: {result.finish_reason}]",
         file=sys.stderr,
     )
     return 0
