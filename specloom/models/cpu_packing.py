@@ -2,8 +2,10 @@
 
 oneDNN reads a weight reordered into its blocked layout ~35 % faster than a plain `[out, in]` tensor when a
 decode step multiplies one row (measured here: 16.4 ms vs 25.4 ms for SmolLM2-135M's matmuls). For bf16 the
-packed product is bit-identical to `F.linear` and does not depend on how many rows are multiplied at once, so
-packing changes speed only. fp32 is left alone: its packed path rounds differently from `F.linear`.
+packed product matched `F.linear` bit for bit on every shape checked. It is *not* guaranteed to be independent of
+the number of rows multiplied at once: on real activations a row of a 6-row product (SmolLM2 layer 6 down_proj)
+differed in the last bit from the same row alone, so bf16 speculative outputs can part from bf16 plain decoding
+at near-ties (see BENCHMARKS.md). fp32 is left alone: its packed path rounds differently from `F.linear`.
 """
 
 from __future__ import annotations
