@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain: specloom without speculation (default); hf: HF transformers generate (fp32)")
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the full report here")
+
+    pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
+    pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
+    pl.add_argument("--out", required=True, help="PNG file to write")
     return parser
 
 
@@ -106,6 +110,14 @@ def _bench(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from .bench.plots import plot_acceptance
+
+    plot_acceptance(args.reports, args.out)
+    print(args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
     try:
-        return {"generate": _generate, "bench": _bench}[args.command](args)
+        return {"generate": _generate, "bench": _bench, "plot": _plot}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

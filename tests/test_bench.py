@@ -73,3 +73,19 @@ def test_divergence_margin_is_the_top2_gap(tiny):
     top = logits.topk(2).values
     assert abs(divergence_margin(e, ids, a, b) - float(top[0] - top[1])) < 1e-6
     assert divergence_margin(e, ids, a, a) is None
+
+
+def test_plot_acceptance(tmp_path):
+    from specloom.bench.plots import plot_acceptance
+
+    report = {"acceptance_per_position": [0.5, 0.25], "speculative_config": {"method": "ngram",
+              "num_speculative_tokens": 2}, "dtype": "bf16", "num_prompts": 3, "mean_accepted_length": 1.6,
+              "speedup": 1.2}
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps(report))
+    out = tmp_path / "plot.png"
+    plot_acceptance([str(src)], str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SpecloomError, match="not a specloom bench report"):
+        plot_acceptance([str(tmp_path / "bad.json")], str(out))

@@ -1,7 +1,6 @@
 """Bad input through the CLI: one clear message, non-zero exit, no traceback. Plus a real `generate --json`."""
 
 import json
-import os
 import subprocess
 import sys
 

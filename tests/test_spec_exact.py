@@ -4,7 +4,6 @@ and a drafter whose every guess is wrong (nothing accepted, tau = 1) — plus a 
 exercises the ancestor mask and the commit of a non-contiguous path."""
 
 import pytest
-import torch
 
 from specloom import Engine, SpecloomError
 from specloom.drafters import DRAFTERS, Drafter
