@@ -113,7 +113,7 @@ class Engine:
 
     def _kv_for(self, n: int) -> KVCache:
         if self._kv is None or self._kv.max_len < n:
-            size = min(self.max_model_len, max(n, 1024))
+            size = min(self.max_model_len + TREE_SLACK, max(n, 1024))  # n includes the tree slack
             self._kv = self.model.new_kv(size, dtype=self.kv_dtype)
         self._kv.reset()
         return self._kv

@@ -15,7 +15,7 @@ PROMPTS = [
     [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52],
     [9, 200, 9, 200, 9, 200, 17],
 ]
-N_TOKENS = 25  # = 1 + 3 * 8 = 1 + 6 * 4 = 1 + 12 * 2: full steps for k = 1, 3, 7
+N_TOKENS = 37  # = 1 + 18 * 2 = 1 + 9 * 4 = 1 + 4 * 9: only full steps for k = 1, 3, 8
 
 
 def plain(t, ids, n=N_TOKENS):
@@ -84,7 +84,7 @@ def test_ngram_identical(tiny, family, k):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("k", [1, 3, 7])
+@pytest.mark.parametrize("k", [1, 3, 8])
 def test_self_draft_all_accepted(tiny, family, k):
     """The target drafting for itself: every draft accepted, tau = k + 1 exactly."""
     t = tiny(family)
@@ -189,3 +189,14 @@ def test_bad_settings(tiny, spec, needle):
     t = tiny("llama")
     with pytest.raises(SpecloomError, match=needle):
         spec_engine(t, spec)
+
+
+def test_speculation_up_to_the_end_of_the_context(tiny):
+    """A request that fills the context exactly still has room for the draft tree's KV slots."""
+    t = tiny("llama")
+    ids = PROMPTS[0]
+    n = t.model.config.max_position - len(ids)
+    ref = Engine(t.model, t.tokenizer).generate(prompt_token_ids=ids, max_tokens=n, ignore_eos=True)
+    e = spec_engine(t, {"method": "draft_model", "model": t.path, "num_speculative_tokens": 8})
+    r = e.generate(prompt_token_ids=ids, max_tokens=n, ignore_eos=True)
+    assert r.token_ids == ref.token_ids and len(r.token_ids) == n
