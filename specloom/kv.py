@@ -35,6 +35,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S_max, d)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per-layer views (B, H_kv, S_max, d)
+        self.slot_pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # RoPE position of each slot
         self.max_len = max_len
         self.length = 0  # committed slots
         self.pending = 0  # slots written by the last forward pass, not yet committed
@@ -75,6 +76,7 @@ class KVCache:
                 dst = slice(self.length, self.length + n)
                 self.k[:, :, :, dst] = self.k[:, :, :, src]  # advanced indexing copies first: overlap is safe
                 self.v[:, :, :, dst] = self.v[:, :, :, src]
+                self.slot_pos[:, dst] = self.slot_pos[:, src]
             self.length += n
         self.pending = 0
 

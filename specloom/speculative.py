@@ -1,8 +1,9 @@
 """`--speculative-config`: vLLM's JSON keys, parsed and checked up front.
 
 Accepted keys (vLLM's names): `method`, `model`, `num_speculative_tokens`, `prompt_lookup_min`,
-`prompt_lookup_max`, `draft_tensor_parallel_size` (must be 1 here), `disable_by_batch_size`. Unknown keys are
-refused with the list of known ones, never silently ignored.
+`prompt_lookup_max`, `draft_tensor_parallel_size` (must be 1 here), `disable_by_batch_size`; ours:
+`tree_width` (draft_model: a tree of width w instead of a chain). Unknown keys are refused with the list of known
+ones, never silently ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ KNOWN_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp", "df
 MAX_SPECULATIVE_TOKENS = 64
 _KEYS = {
     "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    "draft_tensor_parallel_size", "disable_by_batch_size",
+    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width",
 }
 
 
@@ -29,6 +30,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    tree_width: int | None = None
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -54,6 +56,9 @@ class SpeculativeConfig:
             raise SpecloomError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
+        w = spec.get("tree_width")
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 16):
+            raise SpecloomError(f"tree_width must be an integer in [1, 16], got {w!r}")
         if spec.get("draft_tensor_parallel_size", 1) != 1:
             raise SpecloomError("draft_tensor_parallel_size must be 1 (specloom runs on one device)")
         if method not in DRAFTERS:
@@ -70,4 +75,5 @@ class SpeculativeConfig:
             prompt_lookup_min=spec.get("prompt_lookup_min"),
             prompt_lookup_max=spec.get("prompt_lookup_max"),
             disable_by_batch_size=spec.get("disable_by_batch_size"),
+            tree_width=w,
         )

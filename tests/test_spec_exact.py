@@ -184,6 +184,7 @@ def test_draft_model_with_other_vocabulary_refused(tiny, tmp_path):
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "draft_model"}, "needs \"model\""),
     ({"method": "nonsense"}, "unknown speculative method"),
+    ({"method": "draft_model", "model": "x", "tree_width": 0}, "tree_width"),
 ])
 def test_bad_settings(tiny, spec, needle):
     t = tiny("llama")
@@ -200,3 +201,30 @@ def test_speculation_up_to_the_end_of_the_context(tiny):
     e = spec_engine(t, {"method": "draft_model", "model": t.path, "num_speculative_tokens": 8})
     r = e.generate(prompt_token_ids=ids, max_tokens=n, ignore_eos=True)
     assert r.token_ids == ref.token_ids and len(r.token_ids) == n
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_model_tree(tiny, family, k):
+    """draft_model with tree_width 3: output unchanged for the self-draft and for another random model. The
+    self-draft's depth-1 candidates include the target's argmax, so position 1 is always accepted (deeper, the
+    beam keeps the best cumulative log-probabilities and may drop the argmax path)."""
+    t = tiny(family)
+    other = tiny("qwen3" if family == "llama" else "llama")
+    for model, all_accepted in ((t.path, True), (other.path, False)):
+        e = spec_engine(t, {"method": "draft_model", "model": model, "num_speculative_tokens": k, "tree_width": 3})
+        for ids in PROMPTS:
+            r = e.generate(prompt_token_ids=ids, max_tokens=N_TOKENS, ignore_eos=True)
+            assert r.token_ids == plain(t, ids).token_ids
+            if all_accepted:
+                assert r.acceptance_per_position[0] == 1.0
+                assert r.num_draft_tokens % 3 == 0  # 3 nodes per depth
+
+
+def test_draft_model_tree_sampling_reproducible(tiny):
+    t = tiny("llama")
+    e = spec_engine(t, {"method": "draft_model", "model": tiny("qwen3").path, "num_speculative_tokens": 3,
+                        "tree_width": 2})
+    a = e.generate(prompt_token_ids=PROMPTS[0], max_tokens=20, temperature=0.9, seed=3)
+    b = e.generate(prompt_token_ids=PROMPTS[0], max_tokens=20, temperature=0.9, seed=3)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 20

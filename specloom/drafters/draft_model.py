@@ -4,8 +4,15 @@ The draft model must share the target's tokenizer (same vocabulary, same ids); a
 sampling each draft token is drawn from q = probs_from_logits(draft logits, same params) and q travels in the
 tree, so verification is exact; under greedy the drafts are q's argmax.
 
+With `"tree_width": w > 1` (ours; vLLM's draft_model has no tree) the drafter grows a tree instead of a chain:
+at each of the k depths it expands the top-w tokens of every frontier node and keeps the w best new nodes by
+cumulative log-probability (beam-style, one draft pass of w rows per depth, the tree nodes cached with a mask
+that hides sibling branches). The candidates are chosen deterministically, so the tree carries no q: the
+verifier treats them as one-hot drafts, which is exact (sampling y ~ p and checking the candidates in order).
+
 State: the draft KV holds a prefix of the sequence. `propose` feeds what it has not seen (at least the root),
-then its own drafts one by one; `on_verified` truncates its KV to what the target accepted.
+then its own drafts; `on_verified` truncates its KV to what the target accepted (a tree's nodes are dropped and
+the accepted tokens re-fed next step, one pass of a few rows).
 """
 
 from __future__ import annotations
@@ -32,9 +39,12 @@ def check_same_vocabulary(target, target_tok, draft, draft_tok, name: str) -> No
 
 @register("draft_model")
 class DraftModelDrafter(Drafter):
-    def __init__(self, model, k: int = DEFAULT_K):
+    def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1):
+        if tree_width < 1:
+            raise SpecloomError(f"tree_width must be >= 1, got {tree_width}")
         self.model = model
         self.k = k
+        self.width = tree_width
         self.kv = None
         self._seen = 0  # sequence tokens whose KV the draft cache holds
 
@@ -50,7 +60,7 @@ class DraftModelDrafter(Drafter):
         else:
             model, draft_tok = load_target(spec.model, target.dtype, progress=False)
         check_same_vocabulary(target, tokenizer, model, draft_tok, spec.model)
-        return cls(model, spec.num_speculative_tokens or DEFAULT_K)
+        return cls(model, spec.num_speculative_tokens or DEFAULT_K, spec.tree_width or 1)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -80,9 +90,11 @@ class DraftModelDrafter(Drafter):
         root = ctx.tokens[-1]
         if ctx.k <= 0:
             return DraftTree.chain(root, [])
-        self._ensure_kv(len(ctx.tokens) + ctx.k + 1)
+        self._ensure_kv(len(ctx.tokens) + ctx.k * self.width + 1)
         self.kv.truncate(min(self._seen, len(ctx.tokens) - 1))
         logits = self._step(ctx.tokens[self.kv.length:])
+        if self.width > 1:
+            return self._propose_tree(ctx, logits)
         drafts, qs = [], []
         for i in range(ctx.k):
             if ctx.params.greedy:
@@ -96,6 +108,45 @@ class DraftModelDrafter(Drafter):
                 logits = self._step([tok])
         self._seen = self.kv.length  # = len(tokens) + k - 1
         return DraftTree.chain(root, drafts, torch.stack(qs) if qs else None)
+
+    @torch.inference_mode()
+    def _propose_tree(self, ctx: DraftContext, root_logits: torch.Tensor) -> DraftTree:
+        base = len(ctx.tokens)  # the draft KV holds the whole sequence, root included
+        tokens, parents, score = [ctx.tokens[-1]], [-1], [0.0]
+        frontier, frontier_logits = [0], root_logits[None]  # tree nodes whose children are expanded next
+        anc = [[]]  # tree-node ancestors of each node (root excluded: it is in the prefix)
+        for depth in range(1, ctx.k + 1):
+            logp = torch.log_softmax(frontier_logits.float(), dim=-1)  # (F, V)
+            top = logp.topk(self.width, dim=-1)
+            cand = [(score[f] + float(v), f, int(t)) for i, f in enumerate(frontier)
+                    for v, t in zip(top.values[i].tolist(), top.indices[i].tolist())]
+            cand.sort(key=lambda c: -c[0])
+            new = []
+            for s_, f, t in cand[:self.width]:
+                parents.append(f)
+                tokens.append(t)
+                score.append(s_)
+                anc.append(anc[f] + ([f] if f else []))
+                new.append(len(tokens) - 1)
+            if depth == ctx.k:
+                break
+            # one draft pass over the new nodes: each sees the prefix, its own tree ancestors and itself
+            start = self.kv.length
+            T = len(new)
+            mask = torch.zeros(T, start + T, dtype=torch.bool, device=self.model.device)
+            mask[:, :base] = True
+            for row, node in enumerate(new):
+                for a in anc[node]:
+                    mask[row, base + a - 1] = True  # tree node a sits at draft-KV slot base + a - 1
+                mask[row, start + row] = True
+            x = torch.tensor([[tokens[n] for n in new]], device=self.model.device)
+            pos = torch.full((1, T), base - 1 + depth, device=self.model.device)
+            frontier_logits = self.model(x, pos, self.kv, attn_mask=mask).logits[0]
+            self.kv.commit()
+            frontier = new
+        self.kv.truncate(base)  # drop the tree nodes; accepted tokens are re-fed next step
+        self._seen = base
+        return DraftTree(tokens, parents)
 
     def on_verified(self, ctx: DraftContext, result, target_out) -> None:
         # valid draft KV: the sequence up to the root, plus the accepted drafts that were fed (all but the last)

@@ -6,7 +6,9 @@
 * The T new tokens are written to KV slots `[kv.length, kv.length + T)` (pending until `kv.commit`); their RoPE
   positions are `positions`, so tree nodes can share a depth-based position while owning distinct slots.
 * `attn_mask` (T, T) or (B, T, T), bool, True = attend: which new tokens each new token sees (a draft tree's
-  ancestor mask). Every new token always sees the whole committed prefix. None means causal.
+  ancestor mask); every new token then sees the whole cached prefix. A mask of width `kv.length + T` instead
+  covers the cached slots too (a drafter expanding a tree over several passes hides sibling branches it has
+  cached). None means causal.
 * `capture` uses the **HF `hidden_states` index** convention: id 0 is the embedding output (after Gemma's
   scaling), id k (1 <= k < L) is the output of decoder layer k-1 (= the input of layer k), and id L is the final
   hidden state *after* the final norm (HF's `hidden_states[-1]`). Negative ids count from L + 1 (so -1 = L).
@@ -79,6 +81,7 @@ class DecoderLM(nn.Module):
         B, T = positions.shape
         start = kv.reserve(T)
         S = start + T
+        kv.slot_pos[:, start:S] = positions
         dtype = self.dtype
         cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, dtype) for kind in self.layer_kinds}
         window = self.config.sliding_window
@@ -94,12 +97,15 @@ class DecoderLM(nn.Module):
         else:
             dev = positions.device
             new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if attn_mask is None else attn_mask.to(dev)
-            new = new.expand(B, T, T) if new.dim() == 2 else new
-            prefix = torch.ones(B, T, start, dtype=torch.bool, device=dev)
-            full = torch.cat([prefix, new], dim=-1).unsqueeze(1)  # (B, 1, T, S)
+            new = new.expand(B, *new.shape) if new.dim() == 2 else new
+            if new.shape[-1] == T:
+                new = torch.cat([torch.ones(B, T, start, dtype=torch.bool, device=dev), new], dim=-1)
+            elif new.shape[-1] != S:
+                raise ValueError(f"attn_mask width {new.shape[-1]}: expected {T} (new tokens) or {S} (all slots)")
+            full = new.unsqueeze(1)  # (B, 1, T, S)
             masks["full"] = full
             if "sliding" in self.layer_kinds:
-                kpos = torch.cat([torch.arange(start, device=dev).expand(B, start), positions], dim=-1)  # (B, S)
+                kpos = kv.slot_pos[:, :S]  # (B, S): RoPE positions of the slots, new ones included
                 near = (positions.unsqueeze(-1) - kpos.unsqueeze(1)) < window  # (B, T, S)
                 masks["sliding"] = full & near.unsqueeze(1)
         return AttentionContext(kv, start, cos_sin, masks, windows, causal)
