@@ -272,9 +272,11 @@ def load(
 ) -> Engine:
     """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` None = automatic
     (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere)."""
-    from .loading import load_target, parse_dtype
+    from .loading import load_config, load_target, parse_dtype, resolve
 
     spec = SpeculativeConfig.parse(speculative_config)  # checked before the (slow) model load
     kv_dt = None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype)
+    if spec is not None:  # fail fast, before the target's weights load
+        DRAFTERS[spec.method].check(spec, load_config(resolve(model))[0])
     target, tokenizer = load_target(model, dtype, progress=progress)
     return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt)

@@ -228,3 +228,23 @@ def test_draft_model_tree_sampling_reproducible(tiny):
     a = e.generate(prompt_token_ids=PROMPTS[0], max_tokens=20, temperature=0.9, seed=3)
     b = e.generate(prompt_token_ids=PROMPTS[0], max_tokens=20, temperature=0.9, seed=3)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 20
+
+
+def test_draft_model_with_other_token_ids_refused(tiny, tmp_path):
+    """Same vocabulary size, different tokens behind the ids: refused after loading, with the reason."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    t = tiny("llama")
+    shutil.copytree(tiny("qwen3").path, tmp_path / "other")
+    for f in (tmp_path / "other").glob("*token*"):
+        f.unlink()
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, **{f"x{i}": i for i in range(4, 256)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(
+        tmp_path / "other")
+    with pytest.raises(SpecloomError, match="another tokenizer"):
+        spec_engine(t, {"method": "draft_model", "model": str(tmp_path / "other")})

@@ -49,6 +49,10 @@ class Drafter:
     needs_hidden: tuple[int, ...] = ()
 
     @classmethod
+    def check(cls, spec, target_config) -> None:
+        """Cheap checks run before any weights load (bad settings fail fast). Raise SpecloomError."""
+
+    @classmethod
     def create(cls, spec, target, tokenizer) -> "Drafter":
         raise NotImplementedError
 

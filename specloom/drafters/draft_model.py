@@ -27,12 +27,8 @@ from .base import DraftContext, Drafter, register
 DEFAULT_K = 4
 
 
-def check_same_vocabulary(target, target_tok, draft, draft_tok, name: str) -> None:
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise SpecloomError(
-            f"draft model {name!r} has a vocabulary of {draft.config.vocab_size} tokens, the target "
-            f"{target.config.vocab_size}: a draft model must use the target's tokenizer"
-        )
+def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
+    """Same vocabulary size is checked up front (`check`); here the token ids themselves must agree."""
     if target_tok is not None and draft_tok is not None and target_tok.hf.get_vocab() != draft_tok.hf.get_vocab():
         raise SpecloomError(f"draft model {name!r} uses another tokenizer than the target (token ids differ)")
 
@@ -49,17 +45,30 @@ class DraftModelDrafter(Drafter):
         self._seen = 0  # sequence tokens whose KV the draft cache holds
 
     @classmethod
-    def create(cls, spec, target, tokenizer) -> "DraftModelDrafter":
-        from ..loading import load_target, resolve
+    def check(cls, spec, target_config) -> None:
+        from ..loading import load_config, resolve
 
         if not spec.model:
             raise SpecloomError('method "draft_model" needs "model": the draft model (alias, .gguf or directory)')
+        draft_vocab = load_config(resolve(spec.model))[0].vocab_size  # the header only, no weights
+        if draft_vocab != target_config.vocab_size:
+            raise SpecloomError(
+                f"draft model {spec.model!r} has a vocabulary of {draft_vocab} tokens, the target "
+                f"{target_config.vocab_size}: a draft model must use the target's tokenizer"
+            )
+
+    @classmethod
+    def create(cls, spec, target, tokenizer) -> "DraftModelDrafter":
+        from ..loading import load_target, resolve
+
+        cls.check(spec, target.config)
         source = getattr(target, "source", None)
-        if source is not None and resolve(spec.model).path == source.path:
+        draft_source = resolve(spec.model)
+        if source is not None and draft_source.path == source.path:
             model, draft_tok = target, tokenizer  # the target drafting for itself: share the weights
         else:
             model, draft_tok = load_target(spec.model, target.dtype, progress=False)
-        check_same_vocabulary(target, tokenizer, model, draft_tok, spec.model)
+        check_same_token_ids(tokenizer, draft_tok, spec.model)
         return cls(model, spec.num_speculative_tokens or DEFAULT_K, spec.tree_width or 1)
 
     @property
