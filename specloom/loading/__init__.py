@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -135,6 +136,8 @@ def load_target(
     """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory."""
     dt = parse_dtype(dtype)
     source = resolve(name)
+    if progress:
+        print(f"specloom: loading {name} ({source.kind}: {source.path})", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     config, raw = load_config(source)
     if source.kind == "gguf":
