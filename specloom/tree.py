@@ -14,7 +14,7 @@ Depth, the ancestor mask, positions and root-to-leaf paths are derived from `par
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -25,7 +25,6 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None  # (N, V) fp32, row 0 unused
-    _children: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         n = len(self.tokens)
@@ -57,12 +56,14 @@ class DraftTree:
     def max_depth(self) -> int:
         return max(self.depth)
 
+    @cached_property
+    def _children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.parents]
+        for i, p in enumerate(self.parents[1:], 1):
+            kids[p].append(i)
+        return kids
+
     def children(self, node: int) -> list[int]:
-        if not self._children:
-            for i in range(len(self.parents)):
-                self._children.setdefault(i, [])
-                if i:
-                    self._children[self.parents[i]].append(i)
         return self._children[node]
 
     @cached_property
