@@ -31,6 +31,17 @@ from .verify import VerifyResult, verify
 TREE_SLACK = 256  # KV slots beyond the sequence for the nodes of one draft tree
 
 
+def acceptance_rates(accepted: list[int], proposed: list[int]) -> list[float]:
+    """alpha_k = drafts whose k-th token was accepted / drafts that proposed a k-th token."""
+    return [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+
+
+def mean_accepted_length(num_tokens: int, num_passes: int, num_requests: int = 1) -> float:
+    """tau = tokens per verification step; each request's prefill pass and the token it yields are excluded."""
+    steps = num_passes - num_requests
+    return (num_tokens - num_requests) / steps if steps > 0 else 1.0
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -48,7 +59,7 @@ class GenerationResult:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+        return acceptance_rates(self.accepted_per_position, self.proposed_per_position)
 
     @property
     def tokens_per_second(self) -> float:
@@ -220,7 +231,7 @@ class Engine:
             prompt_token_ids=ids,
             finish_reason=finish,
             num_target_passes=stats.passes,
-            mean_accepted_length=stats.tau(len(out)),
+            mean_accepted_length=mean_accepted_length(len(out), stats.passes),
             num_draft_tokens=stats.drafted,
             num_accepted_tokens=stats.accepted,
             proposed_per_position=stats.proposed_at,
@@ -241,10 +252,6 @@ class _Stats:
         self.accepted = 0
         self.proposed_at: list[int] = []
         self.accepted_at: list[int] = []
-
-    def tau(self, num_tokens: int) -> float:
-        steps = self.passes - 1
-        return (num_tokens - 1) / steps if steps else 1.0
 
     def record(self, tree: DraftTree, result: VerifyResult) -> None:
         self.passes += 1

@@ -24,6 +24,12 @@ def cache_dir() -> str:
     return os.path.join(base, "specloom")
 
 
+def file_cache_key(path: str) -> str:
+    """A key that changes when the file does (path, size, modification time)."""
+    st = os.stat(path)
+    return hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, eos_token_ids: Sequence[int] = ()):
         self.hf = hf_tokenizer
@@ -70,9 +76,7 @@ class Tokenizer:
     def from_gguf(cls, path: str, eos_token_ids: Sequence[int] = ()) -> "Tokenizer":
         from transformers import AutoTokenizer
 
-        st = os.stat(path)
-        key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-        cached = os.path.join(cache_dir(), "tokenizers", key)
+        cached = os.path.join(cache_dir(), "tokenizers", file_cache_key(path))
         if os.path.isdir(cached):
             return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)
         logging.getLogger("specloom").info("converting the GGUF tokenizer (once; cached in %s)", cached)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..engine import Engine, load
+from ..engine import Engine, acceptance_rates, load, mean_accepted_length
 from ..errors import SpecloomError
 
 
@@ -165,7 +165,7 @@ def run_bench(
             "candidate_tokens_per_second": c.tps,
             "speedup": c.tps / b.tps if b.tps else 0.0,
             "mean_accepted_length": c.tau,
-            "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(c.accepted or [], c.proposed or [])],
+            "acceptance_per_position": acceptance_rates(c.accepted or [], c.proposed or []),
             "identical": not diverged,
             "top2_margin_at_divergence": margin,
             "first_difference": next((j for j, (x, y) in enumerate(zip(b.tokens, c.tokens)) if x != y),
@@ -188,9 +188,8 @@ def run_bench(
         "baseline_tokens_per_second": b_tps,
         "candidate_tokens_per_second": c_tps,
         "candidate_ms_per_token": 1000 / c_tps,
-        "mean_accepted_length": (tot["c_tok"] - len(rows)) / (tot["c_pass"] - len(rows))
-        if tot["c_pass"] > len(rows) else 1.0,
-        "acceptance_per_position": [a / p if p else 0.0 for a, p in zip(accepted, proposed)],
+        "mean_accepted_length": mean_accepted_length(tot["c_tok"], tot["c_pass"], len(rows)),
+        "acceptance_per_position": acceptance_rates(accepted, proposed),
         "identical_outputs": sum(p["identical"] for p in per_prompt),
         "prefill_included": True,
         "environment": {

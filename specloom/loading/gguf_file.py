@@ -10,7 +10,6 @@ llama.cpp conventions are undone so that the result is exactly what HF transform
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 
@@ -61,11 +60,9 @@ def _reader(path: str):
 
 
 def _config_cache_path(path: str) -> str:
-    from ..tokenizer import cache_dir
+    from ..tokenizer import cache_dir, file_cache_key
 
-    st = os.stat(path)
-    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return os.path.join(cache_dir(), "gguf-config", key + ".json")
+    return os.path.join(cache_dir(), "gguf-config", file_cache_key(path) + ".json")
 
 
 def _field(reader, key: str, default=None):
