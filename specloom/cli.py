@@ -61,6 +61,42 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the full report here")
 
+    d = sub.add_parser("data", help="self-distillation data: the target answers prompts; store ids and hidden states")
+    d.add_argument("--target", required=True, help="target model (alias, .gguf or HF directory)")
+    d.add_argument("--prompts", nargs="+", required=True, help="JSONL files or directories of them")
+    d.add_argument("--out", required=True, help="output directory (rerun to resume)")
+    d.add_argument("--max-new-tokens", type=_positive_int, default=160)
+    d.add_argument("--batch-size", type=_positive_int, default=64)
+    d.add_argument("--max-prompt-tokens", type=_positive_int, default=640, help="skip longer prompts")
+    d.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
+    d.add_argument("--layers", default=None,
+                   help="HF hidden_states ids to store, comma-separated (default: EAGLE-3 low/mid/high + final)")
+    d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+
+    t = sub.add_parser("train", help="train a drafter on `specloom data` output")
+    t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model")
+    t.add_argument("--target", required=True, help="the target model the data was made with")
+    t.add_argument("--data", required=True, help="directory written by `specloom data`")
+    t.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
+    t.add_argument("--init-from", default=None, help="start from this drafter checkpoint")
+    t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")
+    t.add_argument("--epochs", type=_positive_int, default=1)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=20)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--tokens-per-batch", type=_positive_int, default=4096)
+    t.add_argument("--ttt-steps", type=_positive_int, default=3, help="training-time-test unroll (eagle, eagle3)")
+    t.add_argument("--draft-vocab", type=_positive_int, default=8192, help="eagle3 draft vocabulary size")
+    t.add_argument("--loss-fraction", type=float, default=0.5,
+                   help="fraction of positions scored per batch by large-vocabulary losses (speed knob)")
+    t.add_argument("--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
+    t.add_argument("--medusa-heads", type=_positive_int, default=4)
+    t.add_argument("--draft-layers", type=_positive_int, default=2, help="draft_model: target layers kept")
+    t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
+    t.add_argument("--eval-fraction", type=float, default=0.02)
+    t.add_argument("--save-every", type=_positive_int, default=100)
+    t.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
@@ -110,6 +146,30 @@ def _bench(args) -> int:
     return 0
 
 
+def _data(args) -> int:
+    from .training.selfdistill import build_dataset
+
+    layers = None
+    if args.layers:
+        try:
+            layers = tuple(int(x) for x in args.layers.split(","))
+        except ValueError:
+            raise SpecloomError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
+    build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
+                  batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
+                  capture=layers, dtype=args.dtype)
+    return 0
+
+
+def _train(args) -> int:
+    from .training.train import run_training
+
+    args.command = "specloom train " + args.kind
+    run_training(args)
+    print(args.out)
+    return 0
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -129,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
     try:
-        return {"generate": _generate, "bench": _bench, "plot": _plot}[args.command](args)
+        return {"generate": _generate, "bench": _bench, "plot": _plot, "data": _data, "train": _train}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

@@ -132,15 +132,19 @@ class Engine:
     # -- decoding -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: list[int], kv: KVCache, capture: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run the prompt through the target in chunks; return the last chunk's output (logits of its last
-        position only; hidden states of the chunk when `capture` asks for them)."""
-        out = None
+        """Run the prompt through the target in chunks; return the logits of the last position and, when
+        `capture` asks for them, the hidden states of every prompt position."""
+        out, hidden = None, {c: [] for c in capture}
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start:start + self.prefill_chunk]
             tokens = torch.tensor([chunk], device=self.model.device)
             positions = torch.arange(start, start + len(chunk), device=self.model.device)[None]
             out = self.model(tokens, positions, kv, capture=capture, num_logits=1)
             kv.commit()
+            for c in hidden:
+                hidden[c].append(out.hidden[c])
+        if capture and len(hidden[capture[0]]) > 1:
+            out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in hidden.items()})
         return out
 
     @torch.inference_mode()

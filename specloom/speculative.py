@@ -2,7 +2,8 @@
 
 Accepted keys (vLLM's names): `method`, `model`, `num_speculative_tokens`, `prompt_lookup_min`,
 `prompt_lookup_max`, `draft_tensor_parallel_size` (must be 1 here), `disable_by_batch_size`; ours:
-`tree_width` (draft_model: a tree of width w instead of a chain). Unknown keys are refused with the list of known
+`tree_width` (top-k expanded per depth: a tree instead of a chain; draft_model, eagle, eagle3),
+`num_draft_tokens` (tree nodes kept, SGLang's `speculative_num_draft_tokens`). Unknown keys are refused with the list of known
 ones, never silently ignored.
 """
 
@@ -18,7 +19,7 @@ KNOWN_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp", "df
 MAX_SPECULATIVE_TOKENS = 64
 _KEYS = {
     "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width",
+    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width", "num_draft_tokens",
 }
 
 
@@ -31,6 +32,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     tree_width: int | None = None
+    num_draft_tokens: int | None = None
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -59,6 +61,9 @@ class SpeculativeConfig:
         w = spec.get("tree_width")
         if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 16):
             raise SpecloomError(f"tree_width must be an integer in [1, 16], got {w!r}")
+        nd = spec.get("num_draft_tokens")
+        if nd is not None and (not isinstance(nd, int) or isinstance(nd, bool) or not 1 <= nd <= 256):
+            raise SpecloomError(f"num_draft_tokens must be an integer in [1, 256], got {nd!r}")
         if spec.get("draft_tensor_parallel_size", 1) != 1:
             raise SpecloomError("draft_tensor_parallel_size must be 1 (specloom runs on one device)")
         if method not in DRAFTERS:
@@ -76,4 +81,5 @@ class SpeculativeConfig:
             prompt_lookup_max=spec.get("prompt_lookup_max"),
             disable_by_batch_size=spec.get("disable_by_batch_size"),
             tree_width=w,
+            num_draft_tokens=nd,
         )

@@ -27,7 +27,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op; for bf16 it normalises and scales in fp32 and rounds once.
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # (mixed precision training)
+        return F.rms_norm(x, (x.shape[-1],), w, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""Drafter checkpoints: finding them (bundled or a path), validating files, recording and checking the target.
+
+Each drafter kind registers a format module (`@checkpoint_format("eagle3")`) with `read_config(path, raw)`,
+`build(path, raw, target)` and `save(model, path, meta)`; this module holds what they share:
+
+* `find_drafter_dir(model, method, target_config)`: the user's path, or the drafter bundled with specloom for
+  this target (`specloom/bundled/<target>/<method>/`, matched on architecture and shapes).
+* `read_tensors(file)`: safetensors with a readable error for a truncated or corrupt file, naming the tensor.
+* The `specloom` block in `config.json` (kind, target fingerprint, feature layer ids, tree defaults, training
+  manifest). On load a fingerprint that differs from the target's gives a warning naming what differs; shapes that
+  cannot work give an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import warnings
+
+import torch
+
+from ..errors import SpecloomError
+from ..fingerprint import compare, fingerprint
+
+log = logging.getLogger("specloom")
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bundled")
+FORMATS: dict[str, object] = {}
+
+
+def checkpoint_format(method: str):
+    def deco(obj):
+        FORMATS[method] = obj
+        return obj
+
+    return deco
+
+
+def _target_key(cfg) -> dict:
+    return {"architecture": cfg.model_type, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size}
+
+
+def bundled_dirs(method: str) -> list[str]:
+    if not os.path.isdir(BUNDLED):
+        return []
+    out = []
+    for target in sorted(os.listdir(BUNDLED)):
+        d = os.path.join(BUNDLED, target, method)
+        if os.path.isfile(os.path.join(d, "config.json")):
+            out.append(d)
+    return out
+
+
+def find_drafter_dir(model: str | None, method: str, target_config) -> str:
+    if model:
+        if not os.path.exists(model):
+            raise SpecloomError(f"{method} drafter {model!r}: no such file or directory")
+        if not os.path.isdir(model):
+            raise SpecloomError(f"{method} drafter {model!r}: expected a checkpoint directory")
+        return model
+    want = _target_key(target_config)
+    for d in bundled_dirs(method):
+        fp = (_load_json(os.path.join(d, "config.json")).get("specloom") or {}).get("target_fingerprint") or {}
+        if all(fp.get(k) == v for k, v in want.items()):
+            return d
+    raise SpecloomError(
+        f'no bundled {method} drafter for this target ({want["architecture"]}, {want["num_layers"]} layers, '
+        f'hidden {want["hidden_size"]}); give one with "model": "<drafter dir>" (train one with `specloom train '
+        f'{method}`)'
+    )
+
+
+def _load_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise SpecloomError(f"{path}: missing (a drafter checkpoint needs its config.json)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecloomError(f"{path}: unreadable config ({e})") from None
+    if not isinstance(raw, dict):
+        raise SpecloomError(f"{path}: expected a JSON object")
+    return raw
+
+
+def read_drafter_config(path: str, method: str) -> dict:
+    raw = _load_json(os.path.join(path, "config.json"))
+    fmt = FORMATS.get(method)
+    if fmt is None:
+        raise SpecloomError(f"no checkpoint format registered for {method!r}")
+    fmt.read_config(path, raw)  # raises on a checkpoint of another kind
+    return raw
+
+
+def check_safetensors(path: str) -> None:
+    """Validate a safetensors file's header against its size; name the first tensor that is cut off."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SpecloomError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise SpecloomError(f"{path}: truncated or corrupt safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise SpecloomError(f"{path}: corrupt safetensors header") from None
+    except OSError as e:
+        raise SpecloomError(f"{path}: unreadable ({e})") from None
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        end = info.get("data_offsets", [0, 0])[1]
+        if end > data:
+            raise SpecloomError(f"{path}: tensor {name!r} is truncated (needs {end} data bytes, file has {data})")
+
+
+def read_tensors(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith((".pt", ".bin")):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many error types for corrupt pickles
+            raise SpecloomError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+    check_safetensors(path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path)
+    except Exception as e:
+        raise SpecloomError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def take(tensors: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
+    """A tensor by name with the shape the config implies, or a clear error naming it."""
+    if name not in tensors:
+        raise SpecloomError(f"{where}: tensor {name!r} is missing")
+    t = tensors[name]
+    if tuple(t.shape) != tuple(shape):
+        raise SpecloomError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def check_target(meta: dict, target, tokenizer, where: str) -> None:
+    """Warn when the drafter was trained for another copy of the target (it still runs; verification keeps the
+    output exact, only the speed suffers)."""
+    diff = compare(meta.get("target_fingerprint"), fingerprint(target, tokenizer))
+    if diff:
+        msg = (f"{where}: this drafter was trained for another target ({'; '.join(diff)} differ); output stays "
+               "exact but acceptance will be low")
+        warnings.warn(msg, stacklevel=3)
+        log.warning("specloom: warning: %s", msg)
+
+
+def load_drafter(path: str, method: str, target, tokenizer):
+    """Read, build and check a drafter for `target`. Returns (model, specloom meta dict)."""
+    raw = read_drafter_config(path, method)
+    meta = raw.get("specloom") or {}
+    model = FORMATS[method].build(path, raw, target)
+    check_target(meta, target, tokenizer, path)
+    return model, meta
+
+
+def save_drafter(method: str, model, path: str, meta: dict, **kw) -> None:
+    os.makedirs(path, exist_ok=True)
+    FORMATS[method].save(model, path, meta, **kw)
+
+
+def specloom_meta(kind: str, target, tokenizer, feature_ids, **extra) -> dict:
+    return {"kind": kind, "target_fingerprint": fingerprint(target, tokenizer), "feature_ids": list(feature_ids),
+            **extra}

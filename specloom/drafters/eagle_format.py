@@ -1,0 +1,251 @@
+"""EAGLE checkpoint formats (drafters.md §2.4, §3.5, §7): read and write.
+
+* EAGLE-1 (SafeAILab/EAGLE `v1`): LlamaConfig-like `config.json` (`num_hidden_layers: 1`, `bias`) and
+  `model.safetensors` / `pytorch_model.bin` with `fc.{weight,bias}`, `layers.0.*` (no input_layernorm, no norm),
+  optional `embed_tokens.weight` (ignored: the target's is used).
+* EAGLE-3 official: `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`, `target_hidden_size`, tensors
+  `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`; optional
+  `eagle_config.eagle_aux_hidden_state_layer_ids`.
+* speculators (`speculators_model_type: "eagle3"`, the format vLLM serves): `transformer_layer_config`, norm flags
+  written explicitly, `eagle_aux_hidden_state_layer_ids`, tensors `layers.0.*`.
+
+Our own EAGLE-3 checkpoints are written in the speculators format (plus a `specloom` block); `fmt="eagle"` writes
+the official EAGLE-3 layout instead. Feature ids follow the HF hidden_states index (§0.2).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import SpecloomError
+from ..models.cpu_packing import pack_linears
+from .checkpoint import checkpoint_format, read_tensors, take
+from .eagle_model import EagleConfig, EagleDraftModel
+
+SPECULATORS_VERSION = "0.3.0"
+
+
+def _weights_file(path: str) -> str:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return f
+    raise SpecloomError(f"{path}: no model.safetensors or pytorch_model.bin")
+
+
+def _kind_of(raw: dict) -> str:
+    st = raw.get("speculators_model_type")
+    if st:
+        return st
+    if "medusa_num_heads" in raw:
+        return "medusa"
+    archs = " ".join(raw.get("architectures") or [])
+    if "Eagle3" in archs or "draft_vocab_size" in raw or "eagle_config" in raw:
+        return "eagle3"
+    if raw.get("specloom", {}).get("kind"):
+        return raw["specloom"]["kind"]
+    return "eagle"
+
+
+def _layer_cfg(raw: dict) -> dict:
+    return raw.get("transformer_layer_config") or raw
+
+
+def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
+    lc = _layer_cfg(raw)
+    tc = target.config
+    try:
+        H = int(lc["hidden_size"])
+        heads = int(lc["num_attention_heads"])
+        cfg = EagleConfig(
+            eagle3=eagle3, hidden_size=H, num_heads=heads,
+            num_kv_heads=int(lc.get("num_key_value_heads") or heads),
+            head_dim=int(lc.get("head_dim") or H // heads), intermediate_size=int(lc["intermediate_size"]),
+            vocab_size=int(lc.get("vocab_size") or raw.get("vocab_size") or tc.vocab_size),
+            draft_vocab_size=int(raw.get("draft_vocab_size") or lc.get("vocab_size") or tc.vocab_size),
+            feature_ids=(), target_hidden_size=int(raw.get("target_hidden_size") or H),
+            rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(lc.get("rope_theta", 10000.0)),
+            fc_bias=bool(raw.get("bias", True)) and not eagle3,
+            max_position=int(lc.get("max_position_embeddings", 8192)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecloomError(f"{where}: drafter config is missing or has a bad value for {e}") from None
+    if not eagle3:
+        cfg.draft_vocab_size = cfg.vocab_size
+    ids = (raw.get("eagle_aux_hidden_state_layer_ids")
+           or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+           or (raw.get("specloom") or {}).get("feature_ids"))
+    L = tc.num_layers
+    if not ids:
+        ids = (2, L // 2, L - 3) if eagle3 else (L,)
+    cfg.feature_ids = tuple(int(i) for i in ids)
+    bad = [i for i in cfg.feature_ids if not 0 <= i <= L]
+    if bad:
+        raise SpecloomError(f"{where}: feature layer ids {bad} exceed the target's depth ({L} layers; ids are "
+                            f"HF hidden_states indices 0..{L})")
+    if cfg.target_hidden_size != tc.hidden_size:
+        raise SpecloomError(f"{where}: drafter reads features of width {cfg.target_hidden_size}, the target's "
+                            f"hidden size is {tc.hidden_size}: it was made for another model")
+    if cfg.vocab_size != tc.vocab_size:
+        raise SpecloomError(f"{where}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made "
+                            "for another model")
+    if not eagle3 and cfg.hidden_size != tc.hidden_size:
+        raise SpecloomError(f"{where}: EAGLE-1 drafter hidden size {cfg.hidden_size} must equal the target's "
+                            f"({tc.hidden_size}): it uses the target's LM head")
+    return cfg
+
+
+def _expected(cfg: EagleConfig) -> dict[str, tuple]:
+    H, Hin = cfg.hidden_size, (2 * cfg.hidden_size if cfg.eagle3 else cfg.hidden_size)
+    qd, kvd, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    p = "layers.0."
+    exp = {
+        p + "self_attn.q_proj.weight": (qd, Hin), p + "self_attn.k_proj.weight": (kvd, Hin),
+        p + "self_attn.v_proj.weight": (kvd, Hin), p + "self_attn.o_proj.weight": (H, qd),
+        p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+        p + "mlp.down_proj.weight": (H, inter), p + "post_attention_layernorm.weight": (H,),
+    }
+    if cfg.eagle3:
+        exp.update({
+            "fc.weight": (H, len(cfg.feature_ids) * cfg.target_hidden_size), "norm.weight": (H,),
+            "lm_head.weight": (cfg.draft_vocab_size, H), p + "input_layernorm.weight": (H,),
+            p + "hidden_norm.weight": (H,),
+        })
+    else:
+        exp["fc.weight"] = (H, H + cfg.target_hidden_size)
+        if cfg.fc_bias:
+            exp["fc.bias"] = (H,)
+    return exp
+
+
+def build_eagle(path: str, raw: dict, target, eagle3: bool) -> EagleDraftModel:
+    where = path
+    cfg = _config(raw, eagle3, target, where)
+    cfg.rope_scaling = target.config.rope_scaling if cfg.rope_theta == target.config.rope_theta else None
+    wf = _weights_file(path)
+    tensors = {k.replace("midlayer.", "layers.0."): v for k, v in read_tensors(wf).items()}
+    state = {name: take(tensors, name, shape, wf) for name, shape in _expected(cfg).items()}
+    if eagle3:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            state["d2t"] = take(tensors, "d2t", (cfg.draft_vocab_size,), wf).long()
+            state["t2d"] = (take(tensors, "t2d", (cfg.vocab_size,), wf).bool() if "t2d" in tensors
+                            else _t2d_from(state["d2t"], cfg.vocab_size))
+            ids = torch.arange(cfg.draft_vocab_size) + state["d2t"]
+            if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+                raise SpecloomError(f"{wf}: d2t maps draft ids outside the target vocabulary")
+        else:
+            state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+            state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    with torch.device("meta"):
+        model = EagleDraftModel(cfg)
+    model.to_empty(device=target.device)
+    dt = target.dtype
+    model.load_state_dict({k: (v.to(dt) if v.is_floating_point() else v) for k, v in state.items()},
+                          strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    model.attach_target(target)
+    pack_linears(model)
+    return model
+
+
+def _t2d_from(d2t: torch.Tensor, vocab: int) -> torch.Tensor:
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    return t2d
+
+
+def _llama_keys(cfg: EagleConfig) -> dict:
+    return {
+        "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position, "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+
+
+def _state(model: EagleDraftModel, dtype) -> dict:
+    sd = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().cpu()
+        sd[k] = (v.to(dtype) if v.is_floating_point() else v).contiguous()
+    if not model.config.eagle3 or model.config.draft_vocab_size == model.config.vocab_size:
+        sd.pop("d2t", None)
+        sd.pop("t2d", None)
+    return sd
+
+
+def save_eagle(model: EagleDraftModel, path: str, meta: dict, fmt: str = "speculators", dtype=torch.bfloat16,
+               verifier: str = "") -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    sd = _state(model, dtype)
+    if not cfg.eagle3:
+        raw = {"architectures": ["LlamaForCausalLM"], **_llama_keys(cfg), "bias": cfg.fc_bias}
+    elif fmt == "speculators":
+        raw = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("depth", 3),
+                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+            },
+            "transformer_layer_config": _llama_keys(cfg),
+            "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
+            "target_hidden_size": cfg.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(cfg.feature_ids),
+            "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+        }
+    elif fmt == "eagle":
+        raw = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_keys(cfg),
+               "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_ids),
+                                "use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                                "use_last_layernorm": True}}
+        sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
+    else:
+        raise ValueError(f"unknown EAGLE-3 format {fmt!r} (speculators | eagle)")
+    raw["specloom"] = {**meta, "feature_ids": list(cfg.feature_ids)}
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+
+
+class _EagleFormat:
+    eagle3 = False
+    method = "eagle"
+
+    @classmethod
+    def read_config(cls, path: str, raw: dict) -> None:
+        kind = _kind_of(raw)
+        if kind != cls.method:
+            hint = "" if kind not in ("eagle", "eagle3", "medusa") else f' (use "method": "{kind}")'
+            raise SpecloomError(f"{path}: this is a {kind} checkpoint, not {cls.method}{hint}")
+
+    @classmethod
+    def build(cls, path: str, raw: dict, target):
+        return build_eagle(path, raw, target, cls.eagle3)
+
+    @classmethod
+    def save(cls, model, path: str, meta: dict, **kw) -> None:
+        save_eagle(model, path, meta, **kw)
+
+
+@checkpoint_format("eagle")
+class Eagle1Format(_EagleFormat):
+    pass
+
+
+@checkpoint_format("eagle3")
+class Eagle3Format(_EagleFormat):
+    eagle3 = True
+    method = "eagle3"

@@ -1,0 +1,265 @@
+"""The EAGLE drafter network (EAGLE-1 and EAGLE-3): one definition for training and inference.
+
+Both read target features and the embedding of the *next* token (the shift by one of drafters.md §0.1: row t
+pairs feature f_t with token x_{t+1}, sits at RoPE position t and predicts x_{t+2}).
+
+EAGLE-1 (`eagle3=False`):  z = fc([embed(x_{t+1}), f_t]) (bias), f_t = the target's final post-norm state;
+    h = z + Attn(z); h = h + MLP(post_ln(h)); logits = target.lm_head(h)   (no input norm, no final norm)
+EAGLE-3 (`eagle3=True`):   u = fc(cat[h_low, h_mid, h_high]) (no bias) for target rows, u = previous h for
+    drafted rows; a = [input_ln(embed(x)), hidden_norm(u)] (2H wide); h = u + Attn(a); h = h + MLP(post_ln(h));
+    logits = lm_head(norm(h)) over the draft vocabulary (`d2t`: draft id i -> target id i + d2t[i]).
+
+Inference (`forward`) runs over a drafter KV cache with an explicit mask; training (`ttt_forward`) unrolls the
+training-time test: step j feeds the drafter's own output of step j-1 and sees the real context's keys plus the
+diagonal keys of its own earlier steps, exactly what a node at depth j+1 of a draft tree sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import RopeScaling
+from ..kv import KVCache
+from ..models.layers import RMSNorm, Rope, apply_rope
+
+
+@dataclass
+class EagleConfig:
+    eagle3: bool
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # == vocab_size for EAGLE-1
+    feature_ids: tuple[int, ...]  # HF hidden_states ids read from the target (EAGLE-1: (L,), EAGLE-3: 3 ids)
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    fc_bias: bool = True  # EAGLE-1 reference: True; EAGLE-3: always False
+    max_position: int = 8192
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["feature_ids"] = list(self.feature_ids)
+        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EagleConfig":
+        d = dict(d)
+        d["feature_ids"] = tuple(d["feature_ids"])
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, in_dim: int, c: EagleConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(in_dim, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.scale = c.head_dim ** -0.5
+
+    def qkv(self, a, cos, sin):
+        B, T, _ = a.shape
+        q = apply_rope(self.q_proj(a).view(B, T, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_proj(a).view(B, T, self.n_kv, self.head_dim), cos, sin).transpose(1, 2)
+        v = self.v_proj(a).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        return q, k, v  # (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d)
+
+    def out(self, o):  # (B, H, T, d) -> (B, T, hidden)
+        B, H, T, d = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * d))
+
+
+class EagleLayer(nn.Module):
+    """The single decoder layer (`layers.0` / EAGLE-3 `midlayer`)."""
+
+    def __init__(self, c: EagleConfig):
+        super().__init__()
+        H = c.hidden_size
+        self.eagle3 = c.eagle3
+        if c.eagle3:
+            self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+            self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.self_attn = DraftAttention(2 * H if c.eagle3 else H, c)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.mlp = DraftMLP(H, c.intermediate_size)
+
+    def attn_input(self, emb, u):
+        if self.eagle3:
+            return torch.cat([self.input_layernorm(emb), self.hidden_norm(u)], dim=-1)
+        return u  # EAGLE-1: layer 0 has no input norm; u = fc([emb, f]) already mixes the token in
+
+    def finish(self, u, attn_out):
+        h = u + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleDraftModel(nn.Module):
+    def __init__(self, c: EagleConfig, embed_tokens: nn.Embedding | None = None, target_head: nn.Module | None = None):
+        super().__init__()
+        self.config = c
+        H = c.hidden_size
+        if c.eagle3:
+            self.fc = nn.Linear(len(c.feature_ids) * c.target_hidden_size, H, bias=False)
+            self.norm = RMSNorm(H, c.rms_norm_eps)
+            self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+        else:
+            self.fc = nn.Linear(H + c.target_hidden_size, H, bias=c.fc_bias)
+        self.layers = nn.ModuleList([EagleLayer(c)])
+        self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling)
+        # Shared with the target, not owned (not in state_dict): kept out of the module tree on purpose.
+        self._shared = {"embed": embed_tokens, "head": target_head}
+
+    def attach_target(self, target) -> None:
+        self._shared = {"embed": target.embed_tokens, "head": target.lm_head}
+
+    @property
+    def dtype(self):
+        return self.layers[0].mlp.down_proj.weight.dtype
+
+    def embed(self, tokens):
+        return self._shared["embed"](tokens).to(self.dtype)
+
+    def input_hidden(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Target rows: features (B, T, F) from the target (concatenated ids) -> u (B, T, H)."""
+        if self.config.eagle3:
+            return self.fc(features.to(self.dtype))
+        return self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], dim=-1))
+
+    def next_input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Drafted rows: the drafter's own output stands in for the target feature (EAGLE-3 feeds it as u,
+        EAGLE-1 through fc together with the token embedding)."""
+        return h if self.config.eagle3 else self.input_hidden(h, tokens)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output hidden -> fp32 logits over the draft vocabulary (the full vocabulary for EAGLE-1)."""
+        if self.config.eagle3:
+            return self.lm_head(self.norm(h)).float()
+        return self._shared["head"](h.to(self._shared["head"].weight.dtype)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids] if self.config.eagle3 else draft_ids
+
+    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits -> target-vocabulary logits (-inf outside the draft vocabulary)."""
+        if not self.config.eagle3 or self.config.draft_vocab_size == self.config.vocab_size:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t] = logits
+        return out
+
+    # -- inference -------------------------------------------------------------------------------------------
+    def forward(self, u: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over T rows appended to the drafter KV. u: (B, T, H) input hidden (`input_hidden` for target
+        rows, a previous output for drafted rows); attn_mask (T, kv.length + T) bool or None = causal.
+        Returns the output hidden h (B, T, H) (pre-norm)."""
+        layer = self.layers[0]
+        B, T = tokens.shape
+        start = kv.reserve(T)
+        cos, sin = self.rope(positions, u.dtype)
+        a = layer.attn_input(self.embed(tokens), u) if self.config.eagle3 else u
+        q, k, v = layer.self_attn.qkv(a, cos, sin)
+        keys, values = kv.write(0, start, k.to(kv.dtype), v.to(kv.dtype))
+        S = start + T
+        if attn_mask is None:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=u.device).tril(start)
+        o = F.scaled_dot_product_attention(q.to(kv.dtype), keys, values, attn_mask=attn_mask,
+                                           scale=layer.self_attn.scale,
+                                           enable_gqa=layer.self_attn.n_kv != layer.self_attn.n_heads)
+        return layer.finish(u, layer.self_attn.out(o.to(u.dtype)))
+
+    def new_kv(self, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        dt = dtype or (torch.float32 if self.fc.weight.device.type == "cpu" else self.dtype)
+        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, dt, self.fc.weight.device)
+
+    # -- training --------------------------------------------------------------------------------------------
+    def ttt_forward(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int):
+        """Training-time test over a padded batch. features (B, T, F): target features of positions t;
+        tokens (B, T): x_t; valid (B, T) bool. Row t of step j reads token x_{t+1+j} and predicts x_{t+2+j}.
+        Yields (j, h_j) with h_j (B, T, H): the output hidden of step j for every row t."""
+        layer = self.layers[0]
+        att = layer.self_attn
+        B, T = tokens.shape
+        dev = tokens.device
+        pos = torch.arange(T, device=dev)[None].expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & valid[:, None, None, :]
+        rep = att.n_heads // att.n_kv
+        u, keys0, vals0, diag = None, None, None, []
+        for j in range(steps):
+            shifted = F.pad(tokens[:, 1 + j:], (0, 1 + j))  # x_{t+1+j}, 0 past the end
+            if j == 0:
+                u = self.input_hidden(features, shifted)
+            else:
+                u = self.next_input(u, shifted)
+            cos, sin = self.rope(pos + j, u.dtype)
+            a = layer.attn_input(self.embed(shifted), u)
+            q, k, v = att.qkv(a, cos, sin)
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            if j == 0:
+                keys0, vals0 = k, v
+            else:
+                diag.append((k, v))
+            s0 = (q @ keys0.transpose(-1, -2)) * att.scale  # (B, H, T, T)
+            s0 = s0.masked_fill(~causal, float("-inf"))
+            sd = [(q * dk).sum(-1, keepdim=True) * att.scale for dk, _ in diag]  # (B, H, T, 1) each
+            w = torch.softmax(torch.cat([s0, *sd], -1).float(), -1).to(q.dtype)
+            o = w[..., :T] @ vals0
+            for i, (_, dv) in enumerate(diag):
+                o = o + w[..., T + i:T + i + 1] * dv
+            h = layer.finish(u, att.out(o))
+            yield j, h
+            u = h
+
+
+def eagle_config_for(target_config, eagle3: bool, feature_ids, draft_vocab_size: int | None = None) -> EagleConfig:
+    """A drafter shaped like one layer of the target (the published EAGLE recipe)."""
+    c = target_config
+    return EagleConfig(
+        eagle3=eagle3, hidden_size=c.hidden_size, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+        draft_vocab_size=draft_vocab_size or c.vocab_size, feature_ids=tuple(feature_ids),
+        target_hidden_size=c.hidden_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling, fc_bias=not eagle3, max_position=c.max_position,
+    )
+
+
+def init_weights(model: EagleDraftModel, seed: int = 0, std: float = 0.02) -> None:
+    """HF-style init: normal(0, std) matrices, zero biases, unit norms."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            nn.init.ones_(p)
+        elif p.dim() == 2:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+        else:
+            nn.init.zeros_(p)

@@ -1,0 +1,145 @@
+"""Medusa: K heads on the target's last (post-norm) hidden state; head k predicts x_{t+2+k} (drafters.md §1).
+
+One definition for training and inference: `MedusaHeads` is a ModuleList whose head k is
+`Sequential(ResBlock x num_layers [, Linear(H, V)])` — state_dict names `{k}.{l}.linear.{weight,bias}` and, when
+heads own an LM head, `{k}.{num_layers}.weight` (Medusa v0.1). Without own heads (Medusa "version 2", the
+default here: 5 heads cost 1.7M parameters instead of 140M) the target's LM head scores every head. ResBlocks are
+independent modules (as vLLM; the reference ties them when num_layers > 1), W zero-initialised.
+
+Drafting: no drafter pass at all. The verification pass already computed the hidden state at the deepest accepted
+node; the heads turn it into top-10 lists and the static tree `medusa_choices` (paths of top-k ranks, one head
+per depth) picks the candidates. Candidates are deterministic, so the verifier treats them as one-hot drafts:
+greedy and sampling are both exact (Medusa's own typical acceptance is not lossless; it is not offered).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import SpecloomError
+from ..tree import DraftTree
+from .base import DraftContext, Drafter, register
+
+TOPK = 10
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden, bias=True)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x):
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.ModuleList):
+    def __init__(self, hidden: int, num_heads: int, num_layers: int = 1, vocab: int | None = None):
+        heads = []
+        for _ in range(num_heads):
+            mods = [ResBlock(hidden) for _ in range(num_layers)]
+            if vocab:
+                mods.append(nn.Linear(hidden, vocab, bias=False))
+            heads.append(nn.Sequential(*mods))
+        super().__init__(heads)
+        self.hidden, self.num_heads, self.num_layers, self.vocab = hidden, num_heads, num_layers, vocab
+        self._shared = {"head": None}  # the target's LM head: not owned, kept out of the module tree
+
+    def attach_target(self, target) -> None:
+        self._shared["head"] = target.lm_head
+        if self.vocab is not None and self.vocab != target.config.vocab_size:
+            raise SpecloomError(f"Medusa heads score {self.vocab} tokens, the target has {target.config.vocab_size}")
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h (..., H) post-norm target hidden -> (K, ..., V) fp32 logits."""
+        outs = []
+        for head in self:
+            x = h.to(head[0].linear.weight.dtype)
+            if self.vocab:
+                outs.append(head(x).float())
+            else:
+                y = head(x)
+                head_lm = self._shared["head"]
+                outs.append(head_lm(y.to(head_lm.weight.dtype)).float())
+        return torch.stack(outs)
+
+
+def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_nodes: int) -> list[list[int]]:
+    """Grow a tree greedily by estimated path probability (product of per-head top-rank accuracies, Medusa's
+    `generate_tree` idea); without measured accuracies assume a geometric fall-off."""
+    if not accuracy:
+        accuracy = [[0.5 * 0.6 ** r * 0.8 ** h for r in range(TOPK)] for h in range(num_heads)]
+    paths: list[tuple[float, list[int]]] = []
+    frontier = [(accuracy[0][r], [r]) for r in range(min(TOPK, len(accuracy[0])))]
+    while frontier and len(paths) < num_nodes:
+        frontier.sort(key=lambda x: -x[0])
+        p, path = frontier.pop(0)
+        paths.append((p, path))
+        d = len(path)
+        if d < num_heads:
+            frontier += [(p * accuracy[d][r], path + [r]) for r in range(min(TOPK, len(accuracy[d])))]
+    return sorted((pp for _, pp in paths), key=lambda x: (len(x), x))
+
+
+@register("medusa")
+class MedusaDrafter(Drafter):
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]], feature_id: int):
+        self.heads = heads
+        self.needs_hidden = (feature_id,)
+        self.choices = sorted(choices, key=lambda x: (len(x), x))
+        self._check_choices()
+        self.depth = max(len(c) for c in self.choices)
+        self._h = None
+
+    def _check_choices(self) -> None:
+        have = {tuple(c) for c in self.choices}
+        for c in self.choices:
+            if len(c) > self.heads.num_heads or any(not 0 <= r < TOPK for r in c):
+                raise SpecloomError(f"medusa_choices path {c}: needs <= {self.heads.num_heads} heads, ranks < {TOPK}")
+            if len(c) > 1 and tuple(c[:-1]) not in have:
+                raise SpecloomError(f"medusa_choices path {c}: its parent {c[:-1]} is missing")
+
+    @classmethod
+    def check(cls, spec, target_config) -> None:
+        from .checkpoint import find_drafter_dir, read_drafter_config
+
+        read_drafter_config(find_drafter_dir(spec.model, "medusa", target_config), "medusa")
+
+    @classmethod
+    def create(cls, spec, target, tokenizer) -> "MedusaDrafter":
+        from .checkpoint import find_drafter_dir, load_drafter
+
+        path = find_drafter_dir(spec.model, "medusa", target.config)
+        heads, meta = load_drafter(path, "medusa", target, tokenizer)
+        choices = meta.get("medusa_choices") or default_choices(
+            heads.num_heads, meta.get("topk_accuracy"), meta.get("num_draft_tokens") or 16)
+        if spec.num_speculative_tokens:
+            choices = [c for c in choices if len(c) <= spec.num_speculative_tokens]
+        return cls(heads, choices, target.config.num_layers)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.depth
+
+    def prefill(self, ctx: DraftContext, target_out) -> None:
+        self._h = target_out.hidden[self.needs_hidden[0]][0, -1]
+
+    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
+        self._h = target_out.hidden[self.needs_hidden[0]][0, result.path[-1]]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        root = ctx.tokens[-1]
+        choices = [c for c in self.choices if len(c) <= ctx.k]
+        if not choices:
+            return DraftTree.chain(root, [])
+        top = self.heads.logits(self._h).topk(TOPK, dim=-1).indices.tolist()  # (K, TOPK)
+        node_of = {(): 0}
+        tokens, parents = [root], [-1]
+        for c in choices:
+            node_of[tuple(c)] = len(tokens)
+            parents.append(node_of[tuple(c[:-1])])
+            tokens.append(top[len(c) - 1][c[-1]])
+        return DraftTree(tokens, parents)

@@ -1,0 +1,90 @@
+"""Medusa checkpoint formats (drafters.md §1.4): read v0.1, "version 2" and Medusa-1.0/2 full models; write v2.
+
+* v0.1: `config.json` (`medusa_num_heads`, `medusa_num_layers`) + `medusa_lm_head.pt` with
+  `{h}.{l}.linear.{weight,bias}` and per-head `{h}.{num_layers}.weight [V, H]`.
+* "version 2" (`version: "2"`): `medusa_lm_head.safetensors` with the ResBlocks only (heads share the base
+  LM head). This is what `specloom train medusa` writes (plus the `specloom` block).
+* Medusa-1.0/2 (axolotl): the full model's safetensors with `medusa_head.{h}.…` tensors (the base weights in the
+  same files are ignored: the target is loaded separately).
+The reference's weight-tied ResBlocks (the same tensor under every layer index) load as independent copies.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from ..errors import SpecloomError
+from .checkpoint import checkpoint_format, read_tensors, take
+from .medusa import MedusaHeads
+
+
+def _files(path: str) -> list[str]:
+    for pattern in ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "*.safetensors", "pytorch_model*.bin"):
+        found = sorted(glob.glob(os.path.join(path, pattern)))
+        if found:
+            return found
+    raise SpecloomError(f"{path}: no medusa_lm_head.safetensors / medusa_lm_head.pt / model weights found")
+
+
+@checkpoint_format("medusa")
+class MedusaFormat:
+    @staticmethod
+    def read_config(path: str, raw: dict) -> None:
+        if "medusa_num_heads" not in raw:
+            kind = raw.get("speculators_model_type") or (raw.get("specloom") or {}).get("kind") or "non-Medusa"
+            raise SpecloomError(f"{path}: this is a {kind} checkpoint (no medusa_num_heads in config.json)")
+
+    @staticmethod
+    def build(path: str, raw: dict, target) -> MedusaHeads:
+        H, V = target.config.hidden_size, target.config.vocab_size
+        try:
+            K, nl = int(raw["medusa_num_heads"]), int(raw.get("medusa_num_layers", 1))
+        except (TypeError, ValueError):
+            raise SpecloomError(f"{path}: medusa_num_heads / medusa_num_layers must be integers") from None
+        tensors: dict = {}
+        for f in _files(path):
+            tensors.update(read_tensors(f))
+        tensors = {k.removeprefix("medusa_head."): v for k, v in tensors.items()}
+        where = path
+        own_head = f"0.{nl}.weight" in tensors
+        if raw.get("version") == "2":
+            own_head = False
+        # v0.1 configs may declare fewer heads than the file holds (the reference overrides to 5): trust the file
+        present = {int(k.split(".")[0]) for k in tensors if k.split(".")[0].isdigit()}
+        if present and max(present) + 1 != K:
+            K = max(present) + 1
+        heads = MedusaHeads(H, K, nl, V if own_head else None)
+        state = {}
+        for k in range(K):
+            for layer in range(nl):
+                w = take(tensors, f"{k}.{layer}.linear.weight", (H, H), where)
+                state[f"{k}.{layer}.linear.weight"] = w
+                state[f"{k}.{layer}.linear.bias"] = take(tensors, f"{k}.{layer}.linear.bias", (H,), where)
+            if own_head:
+                state[f"{k}.{nl}.weight"] = take(tensors, f"{k}.{nl}.weight", (V, H), where)
+        heads.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})
+        heads.to(target.device).eval().requires_grad_(False)
+        heads.attach_target(target)
+        return heads
+
+    @staticmethod
+    def save(heads: MedusaHeads, path: str, meta: dict, dtype=torch.bfloat16, fmt: str = "v2") -> None:
+        from safetensors.torch import save_file
+
+        sd = {k: v.detach().cpu().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+        raw = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+               "base_model_name_or_path": meta.get("target", ""), "specloom": meta}
+        os.makedirs(path, exist_ok=True)
+        if fmt == "v2" and heads.vocab is None:
+            raw["version"] = "2"
+            save_file(sd, os.path.join(path, "medusa_lm_head.safetensors"))
+        elif fmt == "v0.1":
+            torch.save(sd, os.path.join(path, "medusa_lm_head.pt"))
+        else:
+            raise ValueError(f"cannot write Medusa format {fmt!r} for these heads")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(raw, f, indent=1)

@@ -1,0 +1,85 @@
+"""Reading `specloom data` shards as padded training batches."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+
+import torch
+
+from ..errors import SpecloomError
+
+
+class DistillData:
+    """All shards of a data directory, held in memory (bf16 hidden states)."""
+
+    def __init__(self, path: str, ids: tuple[int, ...], max_tokens: int | None = None):
+        meta_path = os.path.join(path, "meta.json")
+        if not os.path.isfile(meta_path):
+            raise SpecloomError(f"{path}: not a specloom data directory (no meta.json; make one with `specloom data`)")
+        with open(meta_path) as f:
+            self.meta = json.load(f)
+        missing = [i for i in ids if i not in self.meta["capture"]]
+        if missing:
+            raise SpecloomError(f"{path}: hidden states {missing} were not stored (have {self.meta['capture']}); "
+                                "regenerate with --layers")
+        files = sorted(glob.glob(os.path.join(path, "shard_*.safetensors")))
+        if not files:
+            raise SpecloomError(f"{path}: no shards yet")
+        from safetensors.torch import load_file
+
+        self.seqs: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # tokens, loss_mask, {id: hidden}
+        total = 0
+        for fn in files:
+            d = load_file(fn)
+            off = d["offsets"].tolist()
+            for a, b in zip(off[:-1], off[1:]):
+                self.seqs.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(),
+                                  {i: d[f"hidden.{i}"][a:b] for i in ids}))
+                total += b - a
+            if max_tokens and total >= max_tokens:
+                break
+        self.num_tokens = total
+        self.ids = ids
+
+    def split(self, eval_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
+        idx = list(range(len(self.seqs)))
+        random.Random(seed).shuffle(idx)
+        n = max(1, int(len(idx) * eval_fraction))
+        return idx[n:], idx[:n]
+
+    def batches(self, index: list[int], tokens_per_batch: int, seed: int, max_len: int = 1024):
+        """Padded batches of similar-length sequences, in a seeded random order. Yields dicts with tokens (B, T),
+        valid (B, T), loss_mask (B, T) and hidden {id: (B, T, H)}."""
+        order = sorted(index, key=lambda i: len(self.seqs[i][0]))
+        groups, cur = [], []
+        for i in order:
+            n = min(len(self.seqs[i][0]), max_len)
+            if cur and (len(cur) + 1) * n > tokens_per_batch:
+                groups.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            groups.append(cur)
+        random.Random(seed).shuffle(groups)
+        for g in groups:
+            yield self.collate(g, max_len)
+
+    def collate(self, group: list[int], max_len: int) -> dict:
+        T = min(max(len(self.seqs[i][0]) for i in group), max_len)
+        B = len(group)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        hidden = {c: torch.zeros(B, T, self.seqs[group[0]][2][c].shape[-1], dtype=torch.bfloat16) for c in self.ids}
+        for r, i in enumerate(group):
+            t, m, h = self.seqs[i]
+            n = min(len(t), T)
+            tokens[r, :n] = t[:n]
+            valid[r, :n] = True
+            mask[r, :n] = m[:n]
+            for c in self.ids:
+                hidden[c][r, :n] = h[c][:n]
+        return {"tokens": tokens, "valid": valid, "loss_mask": mask, "hidden": hidden}
