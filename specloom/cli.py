@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline", choices=["plain", "hf"], default="plain",
                    help="plain: specloom without speculation (default); hf: HF transformers generate (fp32)")
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
+    b.add_argument("--compare", default=None, metavar="JSON",
+                   help='several drafters vs plain in one run: \'{"name": {speculative config}, ...}\'')
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the full report here")
 
     d = sub.add_parser("data", help="self-distillation data: the target answers prompts; store ids and hidden states")
@@ -136,6 +138,17 @@ def _generate(args) -> int:
 def _bench(args) -> int:
     from .bench.harness import run_bench
 
+    if args.compare:
+        from .bench.multi import run_compare
+
+        try:
+            candidates = json.loads(args.compare)
+        except json.JSONDecodeError as e:
+            raise SpecloomError(f"--compare is not valid JSON: {e.msg}") from None
+        run_compare(args.model, args.prompts, candidates, limit=args.limit, per_category=args.per_category,
+                    categories=args.categories.split(",") if args.categories else None,
+                    max_tokens=args.max_tokens, dtype=args.dtype, chat=not args.raw, json_out=args.json_out)
+        return 0
     run_bench(
         args.model, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
         categories=args.categories.split(",") if args.categories else None,

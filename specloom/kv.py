@@ -34,7 +34,7 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # (L, B, H_kv, S_max, d)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per-layer views (B, H_kv, S_max, d)
+        self.layers = [(self.k[i], self.v[i]) for i in range(num_layers)]  # per-layer views (B, H_kv, S_max, d)
         self.slot_pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # RoPE position of each slot
         self.max_len = max_len
         self.length = 0  # committed slots

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecloomError
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
 
-DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens
+DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
 
 class EagleDrafter(Drafter):
@@ -215,7 +214,3 @@ class Eagle1Drafter(EagleDrafter):
 class Eagle3Drafter(EagleDrafter):
     eagle3 = True
 
-
-def _check_depth(depth: int) -> None:
-    if depth < 1:
-        raise SpecloomError(f"draft depth must be >= 1, got {depth}")

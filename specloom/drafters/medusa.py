@@ -85,8 +85,9 @@ def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_node
 
 @register("medusa")
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, choices: list[list[int]], feature_id: int):
+    def __init__(self, heads: MedusaHeads, choices: list[list[int]], feature_id: int, topk_accuracy=None):
         self.heads = heads
+        self.topk_accuracy = topk_accuracy
         self.needs_hidden = (feature_id,)
         self.choices = sorted(choices, key=lambda x: (len(x), x))
         self._check_choices()
@@ -113,11 +114,12 @@ class MedusaDrafter(Drafter):
 
         path = find_drafter_dir(spec.model, "medusa", target.config)
         heads, meta = load_drafter(path, "medusa", target, tokenizer)
-        choices = meta.get("medusa_choices") or default_choices(
-            heads.num_heads, meta.get("topk_accuracy"), meta.get("num_draft_tokens") or 16)
+        choices = None if spec.num_draft_tokens else meta.get("medusa_choices")
+        choices = choices or default_choices(
+            heads.num_heads, meta.get("topk_accuracy"), spec.num_draft_tokens or meta.get("num_draft_tokens") or 16)
         if spec.num_speculative_tokens:
             choices = [c for c in choices if len(c) <= spec.num_speculative_tokens]
-        return cls(heads, choices, target.config.num_layers)
+        return cls(heads, choices, target.config.num_layers, meta.get("topk_accuracy"))
 
     @property
     def num_speculative_tokens(self) -> int:

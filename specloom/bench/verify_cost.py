@@ -1,0 +1,72 @@
+"""The verify-cost curve v(n): time of one target pass over n new tokens (a draft tree of n nodes) relative to a
+single-token decode step, measured on this machine at a given context length, cached per model and dtype.
+
+Speculation pays when tau(n) / (v(n) + drafting cost) > 1; tree size and depth are chosen from this curve
+(`scripts/tune_tree.py`), and later the serving scheduler reads it to pick depth per batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from ..tokenizer import cache_dir, file_cache_key
+
+SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+@torch.inference_mode()
+def measure_verify_cost(model, sizes=SIZES, context: int = 256, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one forward pass over n tree nodes after `context` cached tokens (causal tree)."""
+    kv = model.new_kv(context + max(sizes) + 1)
+    dev = model.device
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
+    model(prompt, torch.arange(context, device=dev)[None], kv, num_logits=1)
+    kv.commit()
+    out = {}
+    for n in sizes:
+        x = torch.randint(0, model.config.vocab_size, (1, n), device=dev)
+        pos = torch.arange(context, context + n, device=dev)[None]
+        mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None
+        times = []
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            model(x, pos, kv, attn_mask=mask)
+            kv.truncate(context)
+            times.append(time.perf_counter() - t)
+        out[n] = statistics.median(times[1:])
+    return out
+
+
+def verify_cost_curve(model, refresh: bool = False) -> dict[int, float]:
+    """v(n) = t(n) / t(1), cached in ~/.cache/specloom/verify_cost/ per model file, dtype and thread count."""
+    src = getattr(model, "source", None)
+    key = file_cache_key(src.path) if src is not None and os.path.isfile(src.path) else None
+    path = None
+    if key:
+        name = f"{key}-{str(model.dtype).replace('torch.', '')}-t{torch.get_num_threads()}.json"
+        path = os.path.join(cache_dir(), "verify_cost", name)
+        if not refresh and os.path.isfile(path):
+            with open(path) as f:
+                return {int(k): v for k, v in json.load(f)["relative"].items()}
+    secs = measure_verify_cost(model)
+    rel = {n: s / secs[1] for n, s in secs.items()}
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"seconds": secs, "relative": rel}, f, indent=1)
+    return rel
+
+
+def interpolate(curve: dict[int, float], n: int) -> float:
+    xs = sorted(curve)
+    if n <= xs[0]:
+        return curve[xs[0]]
+    for a, b in zip(xs, xs[1:]):
+        if a <= n <= b:
+            return curve[a] + (curve[b] - curve[a]) * (n - a) / (b - a)
+    return curve[xs[-1]] * n / xs[-1]
