@@ -200,3 +200,23 @@ def test_formats_round_trip(drafters, tmp_path):
         save_drafter("medusa", med, out, {"kind": "medusa"}, dtype=torch.float32, fmt=fmt)
         again, _ = load_drafter(out, "medusa", t.model, t.tokenizer)
         assert all(torch.equal(a, b) for a, b in zip(med.state_dict().values(), again.state_dict().values()))
+
+
+def test_bundled_lookup_and_settings(drafters):
+    from specloom import SpecloomError
+    from specloom.drafters.checkpoint import bundled_dirs, find_drafter_dir
+
+    t, paths = drafters
+    with pytest.raises(SpecloomError, match="no bundled eagle3 drafter for this target"):
+        Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "eagle3"}))
+    for method in ("eagle3", "eagle", "medusa"):
+        for d in bundled_dirs(method):  # every bundled drafter names its target and is found for it
+            fp = json.load(open(os.path.join(d, "config.json")))["specloom"]["target_fingerprint"]
+            from types import SimpleNamespace
+
+            cfg = SimpleNamespace(model_type=fp["architecture"], num_layers=fp["num_layers"],
+                                  hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"])
+            assert find_drafter_dir(None, method, cfg) == d
+    for bad in ({"num_draft_tokens": 0}, {"num_draft_tokens": 1000}, {"tree_width": 0}):
+        with pytest.raises(SpecloomError):
+            SpeculativeConfig.parse({"method": "eagle3", **bad})

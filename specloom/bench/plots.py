@@ -22,6 +22,12 @@ def plot_acceptance(report_paths: list[str], out: str) -> None:
         try:
             with open(path) as f:
                 report = json.load(f)
+            if "candidates" in report:  # a `bench --compare` report: one line per drafter
+                for name, c in report["candidates"].items():
+                    a = c["acceptance_per_position"]
+                    ax.plot(range(1, len(a) + 1), a, marker="o",
+                            label=f"{name}: tau {c['mean_accepted_length']:.2f}, {c['speedup']:.2f}x")
+                continue
             alpha = report["acceptance_per_position"]
         except (OSError, json.JSONDecodeError, KeyError) as e:
             raise SpecloomError(f"{path}: not a specloom bench report ({e})") from None
@@ -35,6 +41,7 @@ def plot_acceptance(report_paths: list[str], out: str) -> None:
         ax.plot(range(1, len(alpha) + 1), alpha, marker="o", label=label)
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance per position (alpha_k)")
+    ax.set_xlabel("draft depth k (for trees: the accepted path's k-th token)")
     ax.set_ylim(0, 1.05)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

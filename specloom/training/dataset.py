@@ -53,6 +53,10 @@ class DistillData:
     def batches(self, index: list[int], tokens_per_batch: int, seed: int, max_len: int = 1024):
         """Padded batches of similar-length sequences, in a seeded random order. Yields dicts with tokens (B, T),
         valid (B, T), loss_mask (B, T) and hidden {id: (B, T, H)}."""
+        for g in self.groups(index, tokens_per_batch, seed, max_len):
+            yield self.collate(g, max_len)
+
+    def groups(self, index: list[int], tokens_per_batch: int, seed: int, max_len: int = 1024) -> list[list[int]]:
         order = sorted(index, key=lambda i: len(self.seqs[i][0]))
         groups, cur = [], []
         for i in order:
@@ -64,8 +68,7 @@ class DistillData:
         if cur:
             groups.append(cur)
         random.Random(seed).shuffle(groups)
-        for g in groups:
-            yield self.collate(g, max_len)
+        return groups
 
     def collate(self, group: list[int], max_len: int) -> dict:
         T = min(max(len(self.seqs[i][0]) for i in group), max_len)

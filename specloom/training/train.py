@@ -334,7 +334,7 @@ def run_training(args) -> dict:
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     os.makedirs(args.out, exist_ok=True)
     state_path = os.path.join(args.out, "train_state.pt")
-    batches_per_epoch = sum(1 for _ in data.batches(train_idx, args.tokens_per_batch, 0))
+    batches_per_epoch = len(data.groups(train_idx, args.tokens_per_batch, 0))
     total = args.steps or batches_per_epoch * args.epochs
     step, history = 0, []
     if os.path.isfile(state_path):
@@ -351,11 +351,10 @@ def run_training(args) -> dict:
     epoch = step // max(batches_per_epoch, 1)
     while step < total:
         skip = step - epoch * batches_per_epoch
-        for b, batch in enumerate(data.batches(train_idx, args.tokens_per_batch, seed=args.seed + epoch)):
-            if b < skip:
-                continue
+        for group in data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch)[max(skip, 0):]:
             if step >= total:
                 break
+            batch = data.collate(group, 1024)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, total, args.lr, args.warmup)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
