@@ -181,11 +181,11 @@ class EagleDrafter(Drafter):
             toks = m.to_target_ids(ctop.indices).tolist()
             first_new = len(cand_tok)
             flat_scores = scores.flatten()
+            score_list = flat_scores.tolist()
             for r, c in enumerate(frontier):
-                for j in range(w):
-                    cand_tok.append(toks[r][j])
-                    cand_score.append(float(flat_scores[r * w + j]))
-                    cand_parent.append(c)
+                cand_tok.extend(toks[r])
+                cand_score.extend(score_list[r * w:(r + 1) * w])
+                cand_parent.extend([c] * w)
             if depth + 1 >= ctx.k:
                 break
             sel = flat_scores.topk(min(w, flat_scores.numel())).indices.tolist()
