@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a drafter on `specloom data` output")
     t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model")
     t.add_argument("--target", required=True, help="the target model the data was made with")
-    t.add_argument("--data", required=True, help="directory written by `specloom data`")
+    t.add_argument("--data", required=True, nargs="+", help="directories written by `specloom data`")
     t.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
     t.add_argument("--init-from", default=None, help="start from this drafter checkpoint")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (default: --epochs over the data)")

@@ -15,32 +15,40 @@ from ..errors import SpecloomError
 class DistillData:
     """All shards of a data directory, held in memory (bf16 hidden states)."""
 
-    def __init__(self, path: str, ids: tuple[int, ...], max_tokens: int | None = None):
-        meta_path = os.path.join(path, "meta.json")
-        if not os.path.isfile(meta_path):
-            raise SpecloomError(f"{path}: not a specloom data directory (no meta.json; make one with `specloom data`)")
-        with open(meta_path) as f:
-            self.meta = json.load(f)
-        missing = [i for i in ids if i not in self.meta["capture"]]
-        if missing:
-            raise SpecloomError(f"{path}: hidden states {missing} were not stored (have {self.meta['capture']}); "
-                                "regenerate with --layers")
-        files = sorted(glob.glob(os.path.join(path, "shard_*.safetensors")))
-        if not files:
-            raise SpecloomError(f"{path}: no shards yet")
+    def __init__(self, paths: "str | list[str]", ids: tuple[int, ...], max_tokens: int | None = None):
         from safetensors.torch import load_file
 
+        paths = [paths] if isinstance(paths, str) else list(paths)
         self.seqs: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # tokens, loss_mask, {id: hidden}
+        self.metas = []
         total = 0
-        for fn in files:
-            d = load_file(fn)
-            off = d["offsets"].tolist()
-            for a, b in zip(off[:-1], off[1:]):
-                self.seqs.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(),
-                                  {i: d[f"hidden.{i}"][a:b] for i in ids}))
-                total += b - a
-            if max_tokens and total >= max_tokens:
-                break
+        for path in paths:
+            meta_path = os.path.join(path, "meta.json")
+            if not os.path.isfile(meta_path):
+                raise SpecloomError(f"{path}: not a specloom data directory (no meta.json; make one with "
+                                    "`specloom data`)")
+            with open(meta_path) as f:
+                meta = json.load(f)
+            missing = [i for i in ids if i not in meta["capture"]]
+            if missing:
+                raise SpecloomError(f"{path}: hidden states {missing} were not stored (have {meta['capture']}); "
+                                    "regenerate with --layers")
+            if self.metas and meta.get("fingerprint") != self.metas[0].get("fingerprint"):
+                raise SpecloomError(f"{path} was made with another target than {paths[0]}")
+            self.metas.append(meta)
+            files = sorted(glob.glob(os.path.join(path, "shard_*.safetensors")))
+            if not files:
+                raise SpecloomError(f"{path}: no shards yet")
+            for fn in files:
+                d = load_file(fn)
+                off = d["offsets"].tolist()
+                for a, b in zip(off[:-1], off[1:]):
+                    self.seqs.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(),
+                                      {i: d[f"hidden.{i}"][a:b] for i in ids}))
+                    total += b - a
+                if max_tokens and total >= max_tokens:
+                    break
+        self.meta = self.metas[0]
         self.num_tokens = total
         self.ids = ids
 

@@ -321,7 +321,7 @@ def run_training(args) -> dict:
 
     diff = compare(fp, fingerprint(target, tokenizer))
     if diff:
-        raise SpecloomError(f"{args.data} was generated with another target ({'; '.join(diff)} differ)")
+        raise SpecloomError(f"{' '.join(args.data)} was generated with another target ({'; '.join(diff)} differ)")
     train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)", file=sys.stderr, flush=True)
@@ -380,8 +380,9 @@ def run_training(args) -> dict:
           file=sys.stderr, flush=True)
     meta = specloom_meta(args.kind, target, tokenizer, tr.feature_ids, manifest={
         "command": " ".join(["specloom", "train"] + sys.argv[2:]) if sys.argv[1:2] == ["train"] else args.command,
-        "data": args.data, "data_tokens": data.num_tokens, "data_meta": {k: data.meta.get(k) for k in
-                                                                            ("target", "num_prompts", "max_new_tokens")},
+        "data": args.data, "data_tokens": data.num_tokens,
+        "data_meta": [{k: m.get(k) for k in ("target", "num_prompts", "max_new_tokens", "prompt_files")}
+                      for m in data.metas],
         "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": args.ttt_steps,
         "train_seconds_this_run": round(wall, 1), "held_out": ev,
     })
