@@ -344,6 +344,8 @@ def run_training(args) -> dict:
         step, history = st["step"], st["history"]
         tr.gen.set_state(st["gen"])
         print(f"specloom train: resuming at step {step}/{total}", file=sys.stderr, flush=True)
+    if hasattr(tr, "used"):  # a resumed / initialised EAGLE-3 keeps its own draft vocabulary
+        tr.used = torch.arange(tr.model.d2t.numel()) + tr.model.d2t
     from tqdm import tqdm
 
     bar = tqdm(total=total, initial=step, desc=f"train {args.kind}", file=sys.stderr, mininterval=2.0)
