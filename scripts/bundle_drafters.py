@@ -22,9 +22,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("target")
     ap.add_argument("checkpoints", nargs="+")
-    ap.add_argument("--bench", default=None, help="bench --compare JSON with candidates named by kind")
+    ap.add_argument("--bench", default=None, help="bench --compare JSON")
+    ap.add_argument("--names", nargs="*", default=[], help="kind=candidate name in the bench report")
     a = ap.parse_args()
     bench = json.load(open(a.bench))["candidates"] if a.bench else {}
+    for pair in a.names:
+        kind, name = pair.split("=", 1)
+        bench[kind] = bench[name]
     for ck in a.checkpoints:
         raw = json.load(open(os.path.join(ck, "config.json")))
         kind = raw["specloom"]["kind"]
@@ -57,7 +61,7 @@ def main() -> None:
             accs = ", ".join(f"{held[k]:.2f}" for k in sorted(held) if k.startswith("acc"))
             lines.append(
                 f"| {target} | {kind} | {w} | {os.path.getsize(os.path.join(d, w)) / 2**20:.1f} MB | {m.get('steps')} | "
-                f"{m.get('data_tokens')} | {m.get('train_seconds_this_run', 0) / 60:.1f} min | {accs} | "
+                f"{m.get('data_tokens')} | {m.get('train_seconds_total', m.get('train_seconds_this_run', 0)) / 60:.1f} min | {accs} | "
                 f"{meas.get('mean_accepted_length', float('nan')):.2f} | {meas.get('speedup', float('nan')):.2f}x | "
                 f"`{m.get('command')}` |")
     lines += ["", "Data: `specloom data --target smollm2-135m --prompts ../shared/data/train --out data/smollm2` "

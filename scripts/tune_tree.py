@@ -23,10 +23,9 @@ from specloom.engine import Engine, load
 from specloom.speculative import SpeculativeConfig
 
 SHAPES = {
-    "eagle3": [(d, w, n) for d, w, n in [(3, 1, 3), (4, 1, 4), (5, 1, 5), (4, 4, 8), (5, 4, 12), (6, 6, 16),
-                                          (6, 6, 24), (7, 8, 32), (8, 8, 48)]],
-    "eagle": [(3, 1, 3), (4, 1, 4), (5, 1, 5), (4, 4, 8), (5, 4, 12), (6, 6, 16), (6, 6, 24), (7, 8, 32)],
-    "medusa": [(None, None, n) for n in (3, 6, 10, 16, 24, 32)],
+    "eagle3": [(3, 1, 3), (4, 4, 8), (5, 4, 12), (6, 6, 16), (6, 6, 24), (7, 8, 32)],
+    "eagle": [(3, 1, 3), (4, 4, 8), (5, 4, 12), (6, 6, 16), (6, 6, 24), (7, 8, 32)],
+    "medusa": [(None, None, n) for n in (4, 8, 16, 24)],
 }
 
 
@@ -36,8 +35,8 @@ def main() -> None:
     ap.add_argument("method")
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", default="../shared/data/train/arena-hard-v2.jsonl")
-    ap.add_argument("--num-prompts", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--write", action="store_true", help="store the chosen shape in the drafter's config.json")
     ap.add_argument("--png", default=None)
     ap.add_argument("--json", default=None)
