@@ -54,16 +54,13 @@ class MedusaHeads(nn.ModuleList):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """h (..., H) post-norm target hidden -> (K, ..., V) fp32 logits."""
-        outs = []
-        for head in self:
-            x = h.to(head[0].linear.weight.dtype)
-            if self.vocab:
-                outs.append(head(x).float())
-            else:
-                y = head(x)
-                head_lm = self._shared["head"]
-                outs.append(head_lm(y.to(head_lm.weight.dtype)).float())
-        return torch.stack(outs)
+        x = h.to(self[0][0].linear.weight.dtype)
+        if self.vocab:
+            return torch.stack([head(x).float() for head in self])
+        # heads sharing the target's LM head: one head call over all K rows (it reads the 49k x H weight once)
+        y = torch.stack([head(x) for head in self])
+        head_lm = self._shared["head"]
+        return head_lm(y.to(head_lm.weight.dtype)).float()
 
 
 def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_nodes: int) -> list[list[int]]:

@@ -240,9 +240,6 @@ class DraftModelTrainer(_Base):
     def target_logits(self, h, rows=None):
         return F.linear(h.to(self.head_w.dtype), self.head_w).float()
 
-    def parameters(self):
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def save(self, path, meta):
         save_hf_llama(self.model, path, meta)
 
