@@ -60,6 +60,9 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Where the target was read from when it is a HF directory (drafters built into the checkpoint -- MTP layers,
+    # DSpark -- are read from there); None for GGUF files and models built in memory.
+    source_dir: str | None = field(default=None, compare=False)
 
     @property
     def family(self) -> str:

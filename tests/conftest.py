@@ -199,3 +199,59 @@ def smollm2() -> Real:
 @pytest.fixture(scope="session")
 def gemma3_270m() -> Real:
     return load_real("gemma3-270m")
+
+
+def _sampling_tv(spec_engine, plain_engine, ids, n: int = 400, max_tokens: int = 4, top_k: int = 2):
+    """Sample `n` continuations of `ids` (temperature 1, top-k 2) from both engines and return the total variation
+    distance between the distributions of their first three tokens (8 outcomes; two plain runs differ by about
+    0.06 at n = 400). With max_tokens 4 the second step verifies two drafted tokens at once, so the drafter's q
+    and the residual at depths 1 and 2 shape tokens 2 and 3. Asserts the speculative engine really drafted (a
+    sampling test must not silently run plain decoding)."""
+    from collections import Counter
+
+    def run(engine, base):
+        outs, drafted = Counter(), 0
+        for s in range(n):
+            r = engine.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=1.0, top_k=top_k,
+                                seed=base + s, ignore_eos=True)
+            outs[tuple(r.token_ids[:3])] += 1
+            drafted += r.num_draft_tokens
+        return outs, drafted
+
+    a, drafted = run(spec_engine, 0)
+    b, _ = run(plain_engine, 10_000)
+    assert drafted >= n, f"the drafter proposed only {drafted} tokens in {n} generations"
+    return 0.5 * sum(abs(a[x] - b[x]) for x in set(a) | set(b)) / n
+
+
+@pytest.fixture
+def sampling_tv():
+    return _sampling_tv
+
+
+def near_target_scores(drafter, target, noise: float = 1.0, seed: int = 0) -> None:
+    """Make a chain drafter built on EagleDrafter (eagle, mtp) score with the target's own next-token logits plus
+    Gaussian noise: its q is close to, but not equal to, the target's p, so sampled drafts are often accepted and
+    often rejected -- the regime where a wrong q or residual would show in a distribution test (a random drafter
+    almost never proposes a token the target could pick, which hides such bugs)."""
+    from specloom.models import DecoderLM  # noqa: F401  (target is a DecoderLM)
+
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    orig_propose, orig_row = drafter.propose, drafter._row
+
+    def propose(ctx):
+        state["prefix"] = list(ctx.tokens)
+        return orig_propose(ctx)
+
+    def row(h, tokens, depth, n, mask=None):
+        state["prefix"].append(tokens[0])
+        return orig_row(h, tokens, depth, n, mask)
+
+    def logits(h, depth):
+        ids = torch.tensor([state["prefix"]])
+        kv = target.new_kv(len(state["prefix"]) + 1)
+        out = target(ids, torch.arange(ids.shape[1])[None], kv, num_logits=1).logits[0, -1]
+        return (out + noise * torch.randn(out.shape, generator=g))[None]
+
+    drafter.propose, drafter._row, drafter._logits = propose, row, logits

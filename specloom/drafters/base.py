@@ -50,7 +50,8 @@ class Drafter:
 
     @classmethod
     def check(cls, spec, target_config) -> None:
-        """Cheap checks run before any weights load (bad settings fail fast). Raise SpecloomError."""
+        """Cheap checks run before any weights load (bad settings fail fast). Raise SpecloomError.
+        `target_config.source_dir` is the target's HF directory (None for GGUF), where built-in drafters live."""
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "Drafter":

@@ -72,6 +72,29 @@ def find_drafter_dir(model: str | None, method: str, target_config) -> str:
     )
 
 
+def find_builtin_dir(method: str, target_config, declares) -> str:
+    """A drafter built into the target checkpoint (MTP layers, DSpark): the target's own HF directory when its
+    config declares one (`declares(raw_config) -> bool`), else an overlay bundled with specloom for this target
+    (`bundled/<target>/<method>/`: the drafter tensors and config keys of such a checkpoint, without the target's
+    own weights -- used for GGUF targets, which cannot carry them)."""
+    src = getattr(target_config, "source_dir", None)
+    if src:
+        raw = _load_json(os.path.join(src, "config.json"))
+        if declares(raw):
+            return src
+    want = _target_key(target_config)
+    for d in bundled_dirs(method):
+        fp = (_load_json(os.path.join(d, "config.json")).get("specloom") or {}).get("target_fingerprint") or {}
+        if all(fp.get(k) == v for k, v in want.items()):
+            return d
+    where = f"the target checkpoint {src}" if src else "the target (a GGUF file cannot carry drafter layers)"
+    raise SpecloomError(
+        f"{method}: {where} has no built-in {method} drafter and specloom bundles none for this target "
+        f'({want["architecture"]}, {want["num_layers"]} layers, hidden {want["hidden_size"]}); give a checkpoint '
+        f'directory that has one with "model": "<dir>" (train one with `specloom train {method}`)'
+    )
+
+
 def _load_json(path: str) -> dict:
     try:
         with open(path) as f:

@@ -112,11 +112,12 @@ class EagleDrafter(Drafter):
         self.kv.v[:, :, :, :old.length] = old.v[:, :, :, :old.length]
         self.kv.length = old.length
 
-    def _row(self, h, tokens: list[int], pos: int, mask=None):
+    def _row(self, h, tokens: list[int], depth: int, n: int, mask=None):
+        """Append rows of draft depth `depth` (reading `tokens`, one per row of h) to the drafter KV."""
         dev = h.device
         t = torch.tensor([tokens], device=dev)
-        out = self.model(self.model.next_input(h[None], t), t, torch.full((1, len(tokens)), pos, device=dev),
-                         self.kv, attn_mask=mask)
+        pos = torch.full((1, len(tokens)), self._position(n, depth), device=dev)
+        out = self.model(self.model.next_input(h[None], t), t, pos, self.kv, attn_mask=mask)
         self.kv.commit()
         return out[0]
 
@@ -131,12 +132,33 @@ class EagleDrafter(Drafter):
             return self._chain(ctx, h)
         return self._tree(ctx, h)
 
+    # -- hooks (MTP overrides them: one drafter layer and KV cache per depth) -----------------------------------
+    def _kv(self, depth: int):
+        """The drafter KV cache that rows of this draft depth are appended to."""
+        return self.kv
+
+    def _base(self, depth: int) -> int:
+        """Committed rows in `_kv(depth)` (tree rows go after them and are dropped after proposing)."""
+        return self.stable
+
+    def _position(self, n: int, depth: int) -> int:
+        """RoPE position of a depth-`depth` row (it reads the token drafted at depth `depth`); n = root position.
+        EAGLE pairing: the feature of position t sits with token x_{t+1} at position t."""
+        return n + depth - 1
+
+    def _logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        """Draft-vocabulary logits of a depth-`depth` row's output (depth 0: the catch-up's last row)."""
+        return self.model.draft_logits(h)
+
+    def _drop_tree_rows(self) -> None:
+        self.kv.truncate(self.stable)
+
     def _chain(self, ctx: DraftContext, h: torch.Tensor) -> DraftTree:
         m = self.model
         n = len(ctx.tokens) - 1
         drafts, qs = [], []
         for i in range(ctx.k):
-            logits = m.draft_logits(h)[0]
+            logits = self._logits(h, i)[0]
             if ctx.params.greedy:
                 tok = int(m.to_target_ids(logits.argmax()))
             else:
@@ -145,16 +167,16 @@ class EagleDrafter(Drafter):
                 qs.append(q)
             drafts.append(tok)
             if i + 1 < ctx.k:
-                h = self._row(h, [tok], n + i)
+                h = self._row(h, [tok], i + 1, n)
+        self._drop_tree_rows()
         return DraftTree.chain(ctx.tokens[-1], drafts, torch.stack(qs) if qs else None)
 
     def _tree(self, ctx: DraftContext, h_star: torch.Tensor) -> DraftTree:
         m = self.model
         w = self.width
         n = len(ctx.tokens) - 1
-        base = self.stable  # expansion rows go after the committed rows
         dev = h_star.device
-        lp = torch.log_softmax(m.draft_logits(h_star)[0], -1)
+        lp = torch.log_softmax(self._logits(h_star, 0)[0], -1)
         top = lp.topk(w)
         # candidates: target token id, cumulative log-prob score, parent candidate (-1 = root)
         cand_tok = m.to_target_ids(top.indices).tolist()
@@ -162,20 +184,22 @@ class EagleDrafter(Drafter):
         cand_parent = [-1] * w
         frontier = list(range(w))
         frontier_h = h_star.expand(w, -1)
-        slot_of: dict[int, int] = {}  # expanded candidate -> its drafter KV slot
-        anc_slots: dict[int, list[int]] = {c: [] for c in frontier}
+        slot_of: dict[int, tuple[int, int]] = {}  # expanded candidate -> (its depth, its drafter KV slot)
+        anc_slots: dict[int, list[tuple[int, int]]] = {c: [] for c in frontier}
         for depth in range(1, ctx.k):
-            start = self.kv.length
+            kv = self._kv(depth)
+            start = kv.length
             T = len(frontier)
             mask = torch.zeros(T, start + T, dtype=torch.bool, device=dev)
-            mask[:, :base] = True
+            mask[:, :self._base(depth)] = True
             for r, c in enumerate(frontier):
-                for s in anc_slots[c]:
-                    mask[r, s] = True
+                for d, s in anc_slots[c]:
+                    if self._kv(d) is kv:  # ancestors cached in the same KV (all of them for EAGLE)
+                        mask[r, s] = True
                 mask[r, start + r] = True
-                slot_of[c] = start + r
-            out = self._row(frontier_h, [cand_tok[c] for c in frontier], n + depth - 1, mask)  # (T, H)
-            lp = torch.log_softmax(m.draft_logits(out), -1)  # (T, V_d)
+                slot_of[c] = (depth, start + r)
+            out = self._row(frontier_h, [cand_tok[c] for c in frontier], depth, n, mask)  # (T, H)
+            lp = torch.log_softmax(self._logits(out, depth), -1)  # (T, V_d)
             ctop = lp.topk(w, dim=-1)
             scores = torch.tensor([cand_score[c] for c in frontier], device=dev)[:, None] + ctop.values  # (T, w)
             toks = m.to_target_ids(ctop.indices).tolist()
@@ -195,7 +219,7 @@ class EagleDrafter(Drafter):
                 anc_slots[c] = anc_slots[p] + [slot_of[p]]
             frontier_h = out[torch.tensor([s // w for s in sel], device=dev)]
             frontier = new_frontier
-        self.kv.truncate(base)
+        self._drop_tree_rows()
         # rerank: the best num_nodes candidates (ties: lower id = the parent first), kept in id order
         order = sorted(range(len(cand_tok)), key=lambda c: (-cand_score[c], c))[:self.num_nodes]
         keep = sorted(order)

@@ -7,6 +7,7 @@ Aliases name the real checkpoints that install from the package registry:
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -127,7 +128,10 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
                 raw = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise SpecloomError(f"{source.path}/config.json: unreadable ({e})") from None
-    return ModelConfig.from_hf(raw), raw
+    config = ModelConfig.from_hf(raw)
+    if source.kind == "hf":
+        config = dataclasses.replace(config, source_dir=source.path)
+    return config, raw
 
 
 def load_target(

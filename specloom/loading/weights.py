@@ -26,6 +26,13 @@ def _strip(name: str) -> str:
     return name
 
 
+def _builtin_drafter_tensor(name: str, num_layers: int) -> bool:
+    if name.startswith("mtp."):
+        return True
+    m = re.match(r"layers\.(\d+)\.", name)
+    return bool(m) and int(m.group(1)) >= num_layers
+
+
 def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype):
     """HF names/tensors -> specloom names/tensors, converted to `dtype` (fusions done in fp32-exact concat)."""
     sd: dict[str, torch.Tensor] = {}
@@ -34,7 +41,10 @@ def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, torch.
             continue
         if "rotary_emb" in name:
             continue
-        sd[_strip(name)] = t
+        name = _strip(name)
+        if _builtin_drafter_tensor(name, config.num_layers):
+            continue  # MTP layers (DeepSeek layout) and DSpark stages: read by their drafters, not the target
+        sd[name] = t
     gemma = config.family == "gemma3"
     out: dict[str, torch.Tensor] = {}
     for i in range(config.num_layers):

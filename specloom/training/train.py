@@ -66,6 +66,11 @@ class _Base:
         self.L = target.config.num_layers
         self.head_w = target.lm_head.weight  # (V, H) frozen
 
+    @classmethod
+    def data_ids(cls, L: int) -> tuple[int, ...]:
+        """Hidden-state ids (HF `hidden_states` convention) this trainer reads from the data; L = final state."""
+        return (L,)
+
     def parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -76,6 +81,12 @@ class _Base:
 
 @trainer("eagle3")
 class Eagle3Trainer(_Base):
+    @classmethod
+    def data_ids(cls, L):
+        from .selfdistill import eagle3_layer_ids
+
+        return tuple(sorted({*eagle3_layer_ids(L), L}))
+
     def __init__(self, target, tokenizer, data, args):
         super().__init__(target, tokenizer, data, args)
         from ..drafters.eagle_model import EagleDraftModel, eagle_config_for, init_weights
@@ -210,7 +221,7 @@ class DraftModelTrainer(_Base):
         from ..loading.weights import build_model
 
         self.feature_ids = (self.L,)
-        n = args.draft_layers
+        n = args.draft_layers or 2
         cfg = dataclasses.replace(target.config, num_layers=n)
         sd = {k: v.detach().float().clone() for k, v in target.state_dict().items()
               if not k.startswith("layers.") or int(k.split(".")[1]) < n}
@@ -309,9 +320,7 @@ def run_training(args) -> dict:
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, "bf16", pack=False)
     L = target.config.num_layers
-    from .selfdistill import eagle3_layer_ids
-
-    ids = tuple(sorted({*(eagle3_layer_ids(L) if args.kind == "eagle3" else ()), L}))
+    ids = tuple(sorted({*TRAINERS[args.kind].data_ids(L), L}))
     data = DistillData(args.data, ids, max_tokens=args.max_data_tokens)
     fp = data.meta.get("fingerprint", {})
     from ..fingerprint import compare, fingerprint
@@ -461,3 +470,6 @@ def _plot_losses(history: list[dict], path: str, kind: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+from . import train_block  # noqa: E402,F401  (trainer registration)

@@ -1,0 +1,198 @@
+"""MTP layers in the DeepSeek-V3 checkpoint layout (drafters.md §4.2): read from a target checkpoint, write into one.
+
+A target HF directory declares `num_nextn_predict_layers: N` in `config.json`; MTP layer i lives under
+`model.layers.{L+i}.` (L = `num_hidden_layers`): `enorm`, `hnorm`, `eh_proj`, the decoder block with the target's
+own tensor names (`input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj`, ...) and `shared_head.norm`. `embed_tokens` and `shared_head.head` are the target's
+embedding and LM head: ignored when present, not written (the loaders of vLLM and SGLang map them onto the shared
+ones too). The target loader skips these layers; this module reads them.
+
+Written two ways: into a copy of a target checkpoint (`save_into_target`: an extra `model-mtp.safetensors`, the
+config and index updated), or as an overlay (`save_overlay`: config keys + the MTP tensors only), which is how
+specloom bundles MTP layers for a GGUF target. Our metadata sits under `specloom_mtp` in a target's config.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from ..errors import SpecloomError
+from .checkpoint import check_safetensors, check_target, find_builtin_dir, _load_json, take
+from .mtp_model import MTPModel
+
+MTP_FILE = "model-mtp.safetensors"
+
+
+def declares_mtp(raw: dict) -> bool:
+    return int(raw.get("num_nextn_predict_layers") or 0) > 0
+
+
+def find_mtp_dir(model: str | None, target_config) -> str:
+    if model:
+        if not os.path.isdir(model):
+            raise SpecloomError(f"mtp: {model!r} is not a checkpoint directory")
+        return model
+    return find_builtin_dir("mtp", target_config, declares_mtp)
+
+
+def read_mtp_config(path: str, target_config) -> dict:
+    raw = _load_json(os.path.join(path, "config.json"))
+    if not declares_mtp(raw):
+        raise SpecloomError(f"{path}: the checkpoint declares no MTP layers (config.json has no "
+                            "num_nextn_predict_layers > 0)")
+    for key, mine in (("hidden_size", target_config.hidden_size), ("vocab_size", target_config.vocab_size)):
+        if key in raw and int(raw[key]) != mine:
+            raise SpecloomError(f"{path}: MTP layers for {key} {raw[key]}, but the target has {mine}")
+    return raw
+
+
+def _tensor_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        extra = os.path.join(path, MTP_FILE)
+        return files + ([extra] if os.path.isfile(extra) and extra not in files else [])
+    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
+
+
+def read_prefixed(path: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with one of `prefixes`, from every safetensors file of a checkpoint dir."""
+    from safetensors import safe_open
+
+    out = {}
+    for fn in _tensor_files(path):
+        if not os.path.isfile(fn):
+            raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
+        check_safetensors(fn)
+        try:
+            with safe_open(fn, framework="pt") as f:
+                for k in f.keys():
+                    if k.startswith(prefixes):
+                        out[k] = f.get_tensor(k)
+        except SpecloomError:
+            raise
+        except Exception as e:
+            raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
+    return out
+
+
+def _hf_names(model: MTPModel) -> dict[str, tuple[str, ...]]:
+    """Our parameter name (within one MTP layer) -> the HF tensor names it is made of (fused q/k/v, gate/up)."""
+    out = {}
+    for name in model.layers[0].state_dict():
+        hf = name.replace("block.", "", 1)
+        if "qkv_proj" in hf:
+            out[name] = tuple(hf.replace("qkv_proj", f"{x}_proj") for x in "qkv")
+        elif "gate_up_proj" in hf:
+            out[name] = tuple(hf.replace("gate_up_proj", f"{x}_proj") for x in ("gate", "up"))
+        else:
+            out[name] = (hf,)
+    return out
+
+
+def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
+    tc = target.config
+    raw = read_mtp_config(path, tc)
+    N = int(raw["num_nextn_predict_layers"])
+    L = int(raw.get("num_hidden_layers") or tc.num_layers)
+    if L != tc.num_layers:
+        raise SpecloomError(f"{path}: MTP layers of a {L}-layer model, but the target has {tc.num_layers} layers")
+    meta = raw.get("specloom_mtp") or raw.get("specloom") or {}
+    model = MTPModel(tc, N)
+    tensors = read_prefixed(path, tuple(f"model.layers.{L + i}." for i in range(N)))
+    own = model.state_dict()
+    state = {}
+    gemma = tc.family == "gemma3"
+    for i in range(N):
+        prefix = f"model.layers.{L + i}."
+        where = f"{path}: the config declares {N} MTP layer(s) (num_nextn_predict_layers) but"
+        for name, sources in _hf_names(model).items():
+            shape = own[f"layers.{i}.{name}"].shape
+            if name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight") or len(sources) == 1:
+                if prefix + sources[0] not in tensors:
+                    raise SpecloomError(f"{where} tensor {prefix + sources[0]!r} is missing")
+                t = take(tensors, prefix + sources[0], tuple(shape), path)
+            else:
+                missing = [prefix + s for s in sources if prefix + s not in tensors]
+                if missing:
+                    raise SpecloomError(f"{where} tensor {missing[0]!r} is missing")
+                t = torch.cat([tensors[prefix + s] for s in sources], 0)
+                if tuple(t.shape) != tuple(shape):
+                    raise SpecloomError(f"{path}: {prefix}{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            if gemma and name.startswith("block.") and name.endswith("norm.weight"):
+                t = t.float() + 1.0  # Gemma's (1 + w) norms, as the target loader folds them
+            state[f"layers.{i}.{name}"] = t.float()
+    model.load_state_dict(state)
+    model.to(target.dtype).eval().requires_grad_(False)
+    model.attach_target(target)
+    if tokenizer is not None:
+        check_target(meta, target, tokenizer, path)
+    return model, meta
+
+
+def mtp_tensors(model: MTPModel, L: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    gemma = model.config.family == "gemma3"
+    out = {}
+    names = _hf_names(model)
+    for i, layer in enumerate(model.layers):
+        sd = layer.state_dict()
+        prefix = f"model.layers.{L + i}."
+        for name, sources in names.items():
+            t = sd[name].detach().float().cpu()
+            if gemma and name.startswith("block.") and name.endswith("norm.weight"):
+                t = t - 1.0
+            if "qkv_proj" in name:
+                c = model.config
+                q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+                parts = t.split([q, kv, kv], 0)
+            else:
+                parts = t.split(t.shape[0] // len(sources), 0) if len(sources) > 1 else (t,)
+            for s, part in zip(sources, parts):
+                out[prefix + s] = part.to(dtype).contiguous()
+    return out
+
+
+def _mtp_config_keys(model: MTPModel, L: int) -> dict:
+    return {"num_nextn_predict_layers": model.num_layers, "num_hidden_layers": L}
+
+
+def save_overlay(model: MTPModel, path: str, meta: dict, dtype=torch.bfloat16) -> None:
+    """Config keys + MTP tensors only (a bundle for a target that cannot carry them, e.g. a GGUF file)."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    L = c.num_layers
+    os.makedirs(path, exist_ok=True)
+    save_file(mtp_tensors(model, L, dtype), os.path.join(path, MTP_FILE))
+    raw = {"model_type": c.model_type, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+           **_mtp_config_keys(model, L), "specloom": meta}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+
+
+def save_into_target(model: MTPModel, target_dir: str, meta: dict, dtype=torch.bfloat16) -> None:
+    """Add the MTP layers to a target HF directory (DeepSeek layout): `model-mtp.safetensors`, config keys, and
+    the weight index when the checkpoint is sharded."""
+    from safetensors.torch import save_file
+
+    cfg_path = os.path.join(target_dir, "config.json")
+    raw = _load_json(cfg_path)
+    L = int(raw["num_hidden_layers"])
+    tensors = mtp_tensors(model, L, dtype)
+    save_file(tensors, os.path.join(target_dir, MTP_FILE))
+    raw.update(_mtp_config_keys(model, L))
+    raw["specloom_mtp"] = meta
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    index = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k: MTP_FILE for k in tensors})
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=1)
