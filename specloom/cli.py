@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
 
     t = sub.add_parser("train", help="train a drafter on `specloom data` output")
-    t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model")
+    t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model | mtp | dflash | dspark | target (a new small "
+                   "model trained from scratch jointly with --mtp N MTP layers; --target names its tokenizer)")
     t.add_argument("--target", required=True, help="the target model the data was made with")
     t.add_argument("--data", required=True, nargs="+", help="directories written by `specloom data`")
     t.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
@@ -93,7 +94,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of positions scored per batch by large-vocabulary losses (speed knob)")
     t.add_argument("--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
     t.add_argument("--medusa-heads", type=_positive_int, default=4)
-    t.add_argument("--draft-layers", type=_positive_int, default=2, help="draft_model: target layers kept")
+    t.add_argument("--draft-layers", type=_positive_int, default=None,
+                   help="draft_model: target layers kept (default 2); dflash, dspark: draft layers (default 1)")
+    t.add_argument("--block-size", type=_positive_int, default=None,
+                   help="dflash, dspark: tokens per block (default: dflash 6 = 5 drafts, dspark 5 = 5 drafts)")
+    t.add_argument("--num-anchors", type=_positive_int, default=32,
+                   help="dflash, dspark: blocks (anchors) trained per sequence and batch")
+    t.add_argument("--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
+    t.add_argument("--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla",
+                   help="dspark: Markov head type")
+    t.add_argument("--draft-intermediate", type=_positive_int, default=None,
+                   help="dflash, dspark: MLP width of the draft layers (default: half the target's)")
+    t.add_argument("--mask-token-id", type=int, default=None,
+                   help="dflash, dspark: the MASK token of the block (default: the highest-id special token that "
+                        "is not BOS/EOS/pad and never occurs in the data, e.g. SmolLM2's <empty_output>)")
+    from .training import train_mtp, train_target
+
+    train_mtp.add_arguments(t)
+    train_target.add_arguments(t)
     t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
     t.add_argument("--eval-fraction", type=float, default=0.02)
     t.add_argument("--save-every", type=_positive_int, default=100)

@@ -56,6 +56,7 @@ class GenerationResult:
     accepted_per_position: list[int] = field(default_factory=list)  # ... whose k-th token was accepted
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
+    draft_seconds: float = 0.0  # time in the drafter (prefill, propose, on_verified), part of total_seconds
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -190,8 +191,10 @@ class Engine:
         tokens = list(ids)  # the whole sequence; tokens[-1] is the root: chosen, not yet run by the target
         first = sample_token(target_out.logits[0, -1], params, generator)
         ctx = DraftContext(tokens, len(ids), params, generator, 0)
+        t_draft = time.perf_counter()
         if drafter:
             drafter.prefill(ctx, target_out)
+        draft_s = time.perf_counter() - t_draft
         t_prefill = time.perf_counter() - t0
         out: list[int] = []
         finish, text = None, None
@@ -215,7 +218,9 @@ class Engine:
                 break
             # one speculative step: propose -> one target pass over the tree -> verify -> commit
             ctx.k = min(drafter.num_speculative_tokens, max_tokens - len(out) - 1) if drafter else 0
+            t_draft = time.perf_counter()
             tree = drafter.propose(ctx) if ctx.k > 0 else DraftTree([tokens[-1]], [-1])
+            draft_s += time.perf_counter() - t_draft
             x = torch.tensor([tree.tokens], device=device)
             pos = torch.tensor([tree.positions(kv.length)], device=device)
             mask = None if tree.is_chain else tree.ancestor_mask(device)
@@ -223,7 +228,9 @@ class Engine:
             result = verify(tree, target_out.logits[0], params, generator)
             kv.commit(result.path)
             if drafter:
+                t_draft = time.perf_counter()
                 drafter.on_verified(ctx, result, target_out)
+                draft_s += time.perf_counter() - t_draft
             stats.record(tree, result)
             emitted = result.tokens
         total = time.perf_counter() - t0
@@ -242,6 +249,7 @@ class Engine:
             accepted_per_position=stats.accepted_at,
             prefill_seconds=t_prefill,
             total_seconds=total,
+            draft_seconds=draft_s,
         )
 
 

@@ -3,7 +3,8 @@
 Accepted keys (vLLM's names): `method`, `model`, `num_speculative_tokens`, `prompt_lookup_min`,
 `prompt_lookup_max`, `draft_tensor_parallel_size` (must be 1 here), `disable_by_batch_size`; ours:
 `tree_width` (top-k expanded per depth: a tree instead of a chain; draft_model, eagle, eagle3),
-`num_draft_tokens` (tree nodes kept, SGLang's `speculative_num_draft_tokens`). Unknown keys are refused with the list of known
+`num_draft_tokens` (tree nodes kept, SGLang's `speculative_num_draft_tokens`), `confidence_threshold` (dspark: stop
+the block before the first slot whose confidence is below it; 0 = off). Unknown keys are refused with the list of known
 ones, never silently ignored.
 """
 
@@ -19,7 +20,7 @@ KNOWN_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp", "df
 MAX_SPECULATIVE_TOKENS = 64
 _KEYS = {
     "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width", "num_draft_tokens",
+    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width", "num_draft_tokens", "confidence_threshold",
 }
 
 
@@ -33,6 +34,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     tree_width: int | None = None
     num_draft_tokens: int | None = None
+    confidence_threshold: float | None = None
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -64,6 +66,9 @@ class SpeculativeConfig:
         nd = spec.get("num_draft_tokens")
         if nd is not None and (not isinstance(nd, int) or isinstance(nd, bool) or not 1 <= nd <= 256):
             raise SpecloomError(f"num_draft_tokens must be an integer in [1, 256], got {nd!r}")
+        ct = spec.get("confidence_threshold")
+        if ct is not None and (not isinstance(ct, (int, float)) or isinstance(ct, bool) or not 0.0 <= ct <= 1.0):
+            raise SpecloomError(f"confidence_threshold must be a number in [0, 1], got {ct!r}")
         if spec.get("draft_tensor_parallel_size", 1) != 1:
             raise SpecloomError("draft_tensor_parallel_size must be 1 (specloom runs on one device)")
         if method not in DRAFTERS:
@@ -82,4 +87,5 @@ class SpeculativeConfig:
             disable_by_batch_size=spec.get("disable_by_batch_size"),
             tree_width=w,
             num_draft_tokens=nd,
+            confidence_threshold=None if ct is None else float(ct),
         )

@@ -207,3 +207,21 @@ def test_bundled_lookup_and_settings(drafters):
     for bad in ({"num_draft_tokens": 0}, {"num_draft_tokens": 1000}, {"tree_width": 0}):
         with pytest.raises(SpecloomError):
             SpeculativeConfig.parse({"method": "eagle3", **bad})
+
+
+def test_drafter_memory_accounting(drafters):
+    """`memory()` counts the drafter's own tensors (not the target's shared embedding/head) and its KV cache."""
+    t, paths = drafters
+    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "eagle3", "model": paths["eagle3"]}))
+    m = e.drafter.model
+    own = sum(x.numel() * x.element_size() for x in [*m.parameters(), *m.buffers()])
+    mem = e.drafter.memory()
+    assert mem["weights"] == own
+    c = m.config
+    assert mem["kv_per_1k_tokens"] == 2 * c.num_kv_heads * c.head_dim * 4 * 1000
+    e1 = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "eagle", "model": paths["eagle"]}))
+    shared = {t.model.lm_head.weight.data_ptr(), t.model.embed_tokens.weight.data_ptr()}
+    assert not shared & {x.data_ptr() for x in e1.drafter.model.parameters()}  # borrowed, not counted
+    assert e1.drafter.memory()["weights"] == sum(x.numel() * 4 for x in e1.drafter.model.parameters())
+    ng = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "ngram"}))
+    assert ng.drafter.memory() == {"weights": 0, "kv_per_1k_tokens": 0}

@@ -43,6 +43,7 @@ def _train(t, data, out, kind, *extra):
     ("eagle", ["--ttt-steps", "2"]),
     ("medusa", ["--medusa-heads", "3"]),
     ("draft_model", ["--draft-layers", "1"]),
+    ("mtp", ["--mtp-layers", "2"]),
 ])
 def test_train_loss_decreases_and_checkpoint_drafts(dataset, kind, extra):
     t, data, root = dataset
@@ -151,3 +152,34 @@ def test_corrupt_and_wrong_kind_checkpoints(dataset, tmp_path, capsys):
                "--speculative-config", json.dumps({"method": "eagle", "model": str(tmp_path / "nope")})])
     assert rc == 2 and "no such file or directory" in capsys.readouterr().err
     _ = torch  # (imported for fixtures' dtype use)
+
+
+def test_train_mtp_into_a_target_copy_and_target_with_mtp(dataset):
+    """`train mtp --target-copy` writes a HF copy of the target with the MTP layers inside (found by
+    `method: "mtp"` alone); `train target --mtp 2` trains a new small model jointly with its MTP layers."""
+    import specloom
+
+    t, data, root = dataset
+    copy = str(root / "target_copy")
+    _train(t, data, str(root / "mtp_overlay"), "mtp", "--mtp-layers", "1", "--target-copy", copy, "--no-bf16")
+    e = specloom.load(copy, {"method": "mtp"}, dtype="fp32", progress=False)  # the copy is stored in bf16
+    ids = [5, 6, 7, 8, 9]
+    assert (e.generate(prompt_token_ids=ids, max_tokens=16, ignore_eos=True).token_ids
+            == Engine(e.model, e.tokenizer).generate(prompt_token_ids=ids, max_tokens=16, ignore_eos=True).token_ids)
+    new = str(root / "new_target")
+    args = ["train", "target", "--target", t.path, "--data", data, "--out", new, "--steps", "40", "--lr", "1e-2",
+            "--tokens-per-batch", "512", "--warmup", "2", "--loss-fraction", "1.0", "--mtp", "2",
+            "--model-layers", "2", "--model-hidden", "32", "--model-heads", "2"]
+    assert main(args) == 0
+    hist = json.load(open(os.path.join(new, "history.json")))
+    first = sum(h["loss"] for h in hist[:5]) / 5
+    last = sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < first - 0.5, (first, last)
+    cfg = json.load(open(os.path.join(new, "config.json")))
+    assert cfg["num_nextn_predict_layers"] == 2 and cfg["specloom_mtp"]["trained_with_target"]
+    e = specloom.load(new, {"method": "mtp"}, dtype="fp32", progress=False)
+    assert e.drafter.mtp.num_layers == 2
+    plain = Engine(e.model, e.tokenizer)
+    for ids in ([5, 6, 7, 8, 9], [30, 31, 12, 40]):
+        a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
+        assert a.token_ids == plain.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True).token_ids

@@ -64,6 +64,8 @@ class Run:
     proposed: list[int] | None = None
     accepted: list[int] | None = None
     tau: float = 1.0
+    draft_seconds: float = 0.0
+    prefill_seconds: float = 0.0
 
     @property
     def tps(self) -> float:
@@ -77,7 +79,7 @@ class EngineRunner:
     def run(self, ids: list[int], max_tokens: int) -> Run:
         r = self.engine.generate(prompt_token_ids=ids, max_tokens=max_tokens)
         return Run(r.token_ids, r.total_seconds, r.num_target_passes, r.proposed_per_position,
-                   r.accepted_per_position, r.mean_accepted_length)
+                   r.accepted_per_position, r.mean_accepted_length, r.draft_seconds, r.prefill_seconds)
 
 
 class HFRunner:

@@ -40,7 +40,21 @@ def _summary(rows: list[dict], base_key="b", name="") -> dict:
         "mean_accepted_length": mean_accepted_length(c_tok, passes, len(rows)),
         "acceptance_per_position": acceptance_rates(accepted, proposed),
         "identical_outputs": sum(r["identical"] for r in rows),
+        **_costs(rows),
     }
+
+
+def _costs(rows: list[dict]) -> dict:
+    """Drafting cost per verification step, in ms and as a fraction of one plain decoding step (plain decode
+    seconds per token after its prefill, same run)."""
+    steps = sum(r["passes"] - 1 for r in rows)
+    draft_s = sum(r.get("draft_seconds", 0.0) for r in rows)
+    b_tok = sum(r["b_tokens"] - 1 for r in rows)
+    b_s = sum(r["b_seconds"] - r.get("b_prefill_seconds", 0.0) for r in rows)
+    plain_ms = 1000 * b_s / b_tok if b_tok else 0.0
+    draft_ms = 1000 * draft_s / steps if steps else 0.0
+    return {"draft_ms_per_step": draft_ms, "plain_ms_per_step": plain_ms,
+            "draft_fraction_of_target_step": draft_ms / plain_ms if plain_ms else 0.0}
 
 
 def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_category=None, categories=None,
@@ -58,6 +72,7 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
     for name, spec in specs.items():
         DRAFTERS[spec.method].check(spec, m.config)
         engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len), name)
+    memory = {name: r.engine.drafter.memory() for name, r in engines.items()}
     base = EngineRunner(plain_engine, "plain")
     use_chat = chat and tok.has_chat_template
     encoded = [plain_engine.encode(r["text"], chat=use_chat) for r in rows]
@@ -80,6 +95,7 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
                 "id": row["id"], "category": row["category"], "prompt_tokens": len(ids),
                 "b_tokens": len(b.tokens), "b_seconds": b.seconds, "c_tokens": len(c.tokens),
                 "c_seconds": c.seconds, "passes": c.passes, "proposed": c.proposed, "accepted": c.accepted,
+                "draft_seconds": c.draft_seconds, "b_prefill_seconds": b.prefill_seconds,
                 "speedup": c.tps / b.tps if b.tps else 0.0, "mean_accepted_length": c.tau,
                 "identical": not diverged,
                 "top2_margin_at_divergence": divergence_margin(plain_engine, ids, b.tokens, c.tokens)
@@ -91,6 +107,7 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
         cats = sorted({r["category"] for r in rs if r["category"]})
         report["candidates"][name] = {
             "speculative_config": {k: v for k, v in specs[name].__dict__.items() if v is not None},
+            "drafter_memory_bytes": memory[name],
             **_summary(rs),
             "per_category": {c: _summary([r for r in rs if r["category"] == c]) for c in cats},
             "max_top2_margin_at_divergence": max((r["top2_margin_at_divergence"] for r in rs
@@ -110,12 +127,15 @@ def print_compare(report: dict, file=sys.stdout) -> None:
     w(f"\n{report['model']} {report['dtype']}, {report['num_prompts']} prompts x {report['max_tokens']} tokens, "
       "greedy, batch 1, interleaved with plain decoding\n")
     w(f"{'drafter':<16} {'speedup':>8} {'aggr':>6} {'tok/s':>7} {'plain':>7} {'tau':>5} {'same':>7}  "
-      "acceptance per position\n")
+      "draft ms (x step)  MB +KV/1k  acceptance per position\n")
     for name, c in report["candidates"].items():
         alpha = " ".join(f"{a:.2f}" for a in c["acceptance_per_position"][:8])
+        mem = c.get("drafter_memory_bytes", {})
         w(f"{name:<16} {c['speedup']:>7.2f}x {c['speedup_aggregate']:>5.2f}x {c['candidate_tokens_per_second']:>7.1f} "
           f"{c['baseline_tokens_per_second']:>7.1f} {c['mean_accepted_length']:>5.2f} "
-          f"{c['identical_outputs']:>3}/{c['num_prompts']:<3}  {alpha}\n")
+          f"{c['identical_outputs']:>3}/{c['num_prompts']:<3}  {c.get('draft_ms_per_step', 0):6.1f} "
+          f"({c.get('draft_fraction_of_target_step', 0):.2f})  {mem.get('weights', 0) / 1e6:5.1f} "
+          f"+{mem.get('kv_per_1k_tokens', 0) / 1e6:4.1f}  {alpha}\n")
     names = list(report["candidates"])
     cats = sorted({k for c in report["candidates"].values() for k in c["per_category"]})
     if cats:

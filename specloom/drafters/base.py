@@ -24,6 +24,22 @@ from ..tree import DraftTree
 DRAFTERS: dict[str, type["Drafter"]] = {}
 
 
+def module_bytes(*modules) -> int:
+    """Bytes of the parameters and buffers of `modules` (each tensor counted once)."""
+    seen, total = set(), 0
+    for m in modules:
+        for t in [*m.parameters(), *m.buffers()]:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_per_1k(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
+    """KV-cache bytes for 1000 tokens: keys and values of every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() * 1000
+
+
 def register(name: str):
     def deco(cls):
         if name in DRAFTERS:
@@ -63,6 +79,11 @@ class Drafter:
 
     def prefill(self, ctx: DraftContext, target_out) -> None:
         pass
+
+    def memory(self) -> dict:
+        """Bytes the drafter adds: `weights` (its own parameters and buffers, shared target parts excluded) and
+        `kv_per_1k_tokens` (its KV cache per 1000 tokens of context at the dtype it allocates)."""
+        return {"weights": 0, "kv_per_1k_tokens": 0}
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         raise NotImplementedError

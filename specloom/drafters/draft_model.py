@@ -44,6 +44,14 @@ class DraftModelDrafter(Drafter):
         self.kv = None
         self._seen = 0  # sequence tokens whose KV the draft cache holds
 
+    def memory(self) -> dict:
+        from .base import kv_bytes_per_1k, module_bytes
+
+        c = self.model.config
+        dt = self.kv.dtype if self.kv is not None else torch.float32
+        return {"weights": module_bytes(self.model),
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, dt)}
+
     @classmethod
     def check(cls, spec, target_config) -> None:
         from ..loading import load_config, resolve

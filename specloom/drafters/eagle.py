@@ -68,6 +68,13 @@ class EagleDrafter(Drafter):
     def num_speculative_tokens(self) -> int:
         return self.depth
 
+    def memory(self) -> dict:
+        from .base import kv_bytes_per_1k, module_bytes
+
+        c = self.model.config
+        dt = self.kv.dtype if self.kv is not None else torch.float32
+        return {"weights": module_bytes(self.model), "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, dt)}
+
     # -- state -----------------------------------------------------------------------------------------------
     def _features(self, target_out, rows=None) -> torch.Tensor:
         f = torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)[0]  # (T, F)

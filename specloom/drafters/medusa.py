@@ -91,6 +91,11 @@ class MedusaDrafter(Drafter):
         self.depth = max(len(c) for c in self.choices)
         self._h = None
 
+    def memory(self) -> dict:
+        from .base import module_bytes
+
+        return {"weights": module_bytes(self.heads), "kv_per_1k_tokens": 0}
+
     def _check_choices(self) -> None:
         have = {tuple(c) for c in self.choices}
         for c in self.choices:

@@ -85,6 +85,14 @@ class MTPDrafter(EagleDrafter):
             nodes = depth
         return cls(mtp, depth, width, nodes or depth * width)
 
+    def memory(self) -> dict:
+        from .base import kv_bytes_per_1k, module_bytes
+
+        c = self.mtp.config
+        dt = self.kvs[0].dtype if self.kvs[0] is not None else torch.float32
+        return {"weights": module_bytes(self.mtp),
+                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, dt)}
+
     # -- state -----------------------------------------------------------------------------------------------
     def prefill(self, ctx: DraftContext, target_out) -> None:
         n = len(ctx.tokens)
@@ -104,7 +112,7 @@ class MTPDrafter(EagleDrafter):
         dev = m.device
         h_in = torch.cat(self._feats)[None]  # (1, rows, H): target features for layer 0's new rows
         self._feats = []
-        h0 = None
+        h0 = out = None
         for i in range(m.num_layers):
             kv = self.kvs[i]
             kv.truncate(self.stables[i])

@@ -16,7 +16,7 @@ class DistillData:
     """All shards of a data directory, held in memory (bf16 hidden states)."""
 
     def __init__(self, paths: "str | list[str]", ids: tuple[int, ...], max_tokens: int | None = None):
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
         paths = [paths] if isinstance(paths, str) else list(paths)
         self.seqs: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # tokens, loss_mask, {id: hidden}
@@ -40,7 +40,8 @@ class DistillData:
             if not files:
                 raise SpecloomError(f"{path}: no shards yet")
             for fn in files:
-                d = load_file(fn)
+                with safe_open(fn, framework="pt") as f:  # only the tensors asked for (shards hold more layers)
+                    d = {k: f.get_tensor(k) for k in ("tokens", "offsets", "loss_mask", *(f"hidden.{i}" for i in ids))}
                 off = d["offsets"].tolist()
                 for a, b in zip(off[:-1], off[1:]):
                     self.seqs.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(),

@@ -317,6 +317,8 @@ def run_training(args) -> dict:
 
     if args.kind not in TRAINERS:
         raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(TRAINERS))})")
+    if getattr(TRAINERS[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
+        return TRAINERS[args.kind].run(args)
     torch.manual_seed(args.seed)
     target, tokenizer = load_target(args.target, "bf16", pack=False)
     L = target.config.num_layers
@@ -472,4 +474,4 @@ def _plot_losses(history: list[dict], path: str, kind: str) -> None:
     plt.close(fig)
 
 
-from . import train_block  # noqa: E402,F401  (trainer registration)
+from . import train_block, train_mtp, train_target  # noqa: E402,F401  (trainer registration)

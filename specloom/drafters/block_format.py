@@ -1,0 +1,463 @@
+"""Block drafter checkpoint formats (DFlash, DSpark; drafters.md §5.5, §6.2, §6.3, §7): read and write.
+
+Layouts read (one `BlockDraftConfig` comes out of each):
+* `zlab` -- z-lab DFlash: `architectures: ["DFlashDraftModel"]`, `num_hidden_layers` = draft depth,
+  `num_target_layers`, `block_size` (top level or in `dflash_config`), `dflash_config.{target_layer_ids,
+  mask_token_id}`; ids are decoder-layer outputs (ours = id + 1). Tensors `fc`, `hidden_norm`, `norm`, `layers.*`.
+  Our default for `dflash`.
+* `speculators` -- `speculators_model_type` dflash | dspark: `transformer_layer_config`, `block_size`,
+  `aux_hidden_state_layer_ids` (HF ids), `mask_token_id`, `sample_from_anchor`, `markov_rank`, `markov_head_type`,
+  `enable_confidence_head`, `confidence_head_with_markov`; tensors as z-lab plus `markov_head.*`,
+  `confidence_head.*` (copies of `embed_tokens` / `lm_head` are ignored: the target's are used).
+* `deepspec` -- DeepSpec `Qwen3DSparkModel`: top-level Qwen3 keys, `target_layer_ids` (decoder-layer outputs).
+* `builtin` -- DSpark inside a target checkpoint (DeepSeek-V4 style): the target's `config.json` carries
+  `dspark_block_size`, `dspark_target_layer_ids` (decoder-layer outputs), `dspark_markov_rank`,
+  `dspark_markov_head_type`, `dspark_noise_token_id` (the mask), `n_mtp_layers` (draft layers),
+  `enable_confidence_head` (+ our `dspark_intermediate_size`); tensors `mtp.0.main_proj`, `mtp.0.main_norm`,
+  `mtp.{s}.<Qwen3 layer>`, and the heads at the last stage `mtp.{S-1}.{norm, markov_head.*, confidence_head.*}`.
+  Layer shapes are the target's. An *overlay* (the same config keys and `mtp.*` tensors without the target's
+  weights) is what specloom bundles for GGUF targets and what `specloom train dspark` writes.
+
+Our metadata lives in the `specloom` block of `config.json`; inside a target's own config.json it is written as
+`specloom_dspark` so that it never collides with the target's (or another built-in drafter's) block.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+
+from ..errors import SpecloomError
+from ..models.cpu_packing import pack_linears
+from .block_model import MARKOV_TYPES, BlockDraftConfig, BlockDraftModel
+from .checkpoint import check_safetensors, checkpoint_format, read_tensors, take
+
+SPECULATORS_VERSION = "0.3.0"
+DSPARK_FILE = "model-dspark.safetensors"
+
+
+def layout_of(raw: dict) -> str:
+    """zlab | speculators-dflash | speculators-dspark | deepspec | builtin | dflash2 | <other kind>."""
+    if "dspark_block_size" in raw:
+        return "builtin"
+    st = raw.get("speculators_model_type")
+    if st:
+        return f"speculators-{st}"
+    archs = " ".join(raw.get("architectures") or [])
+    if "DFlash2" in archs:
+        return "dflash2"
+    if "DSpark" in archs:
+        return "deepspec"
+    if "DFlash" in archs or "dflash_config" in raw:
+        return "zlab"
+    kind = (raw.get("specloom") or {}).get("kind")
+    if kind:
+        return kind
+    if "medusa_num_heads" in raw:
+        return "medusa"
+    if "draft_vocab_size" in raw or "eagle_config" in raw:
+        return "eagle3"
+    return "a target model" if "num_hidden_layers" in raw and "model_type" in raw else "unknown"
+
+
+LAYOUTS = {"dflash": ("zlab", "speculators-dflash"), "dspark": ("builtin", "speculators-dspark", "deepspec")}
+
+
+def meta_of(raw: dict) -> dict:
+    """Our metadata: `specloom_dspark` inside a target's config.json, else a `specloom` block of a block drafter
+    (a target's own `specloom` block, e.g. of a draft model, is not ours to read)."""
+    m = raw.get("specloom_dspark") or raw.get("specloom") or {}
+    return m if m.get("kind") in (None, "dflash", "dspark") else {}
+
+
+def default_zlab_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """z-lab's default: one layer for one draft layer, else spread over layers 1..L-3 (decoder-layer outputs)."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+def check_layout(path: str, raw: dict, method: str) -> str:
+    """The layout of a checkpoint `method` can serve, or a clear error naming what it is instead."""
+    layout = layout_of(raw)
+    if layout in LAYOUTS[method]:
+        return layout
+    if layout == "dflash2":
+        raise SpecloomError(f"{path}: a DFlash 2 checkpoint (DFlash2DraftModel); specloom serves DFlash only")
+    other = {"zlab": "dflash", "speculators-dflash": "dflash", "speculators-dspark": "dspark",
+             "deepspec": "dspark", "builtin": "dspark"}.get(layout, layout.replace("speculators-", ""))
+    if method == "dspark" and other == "a target model":
+        raise SpecloomError(f"{path}: this target checkpoint has no built-in DSpark drafter (no dspark_block_size "
+                            "in its config.json)")
+    hint = f' (use "method": "{other}")' if other in ("dflash", "dspark", "eagle", "eagle3", "medusa", "mtp") else ""
+    raise SpecloomError(f"{path}: this is a {other} checkpoint, not {method}{hint}")
+
+
+def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraftConfig:
+    """Parse any layout into a BlockDraftConfig for this target; clear errors for what cannot work."""
+    layout = check_layout(path, raw, method)
+    tc = target_config
+    L = tc.num_layers
+    try:
+        if layout == "builtin":
+            lc = {"hidden_size": tc.hidden_size, "num_attention_heads": tc.num_heads,
+                  "num_key_value_heads": tc.num_kv_heads, "head_dim": tc.head_dim,
+                  "intermediate_size": raw.get("dspark_intermediate_size") or tc.intermediate_size,
+                  "vocab_size": tc.vocab_size, "rms_norm_eps": tc.rms_norm_eps, "rope_theta": tc.rope_theta,
+                  "num_hidden_layers": raw.get("n_mtp_layers", 3)}
+            zids = raw.get("dspark_target_layer_ids")
+            ids = None if zids is None else [int(i) + 1 for i in zids]
+            extra = dict(block_size=raw["dspark_block_size"], mask_token_id=raw["dspark_noise_token_id"],
+                         anchor_predicts=True, markov_rank=raw.get("dspark_markov_rank", 0),
+                         markov_head_type=raw.get("dspark_markov_head_type") or "vanilla",
+                         confidence_head=bool(raw.get("enable_confidence_head", False)),
+                         confidence_with_markov=bool(raw.get("dspark_confidence_head_with_markov", True)))
+        elif layout.startswith("speculators"):
+            lc = raw.get("transformer_layer_config") or {}
+            ids = raw.get("aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
+            dspark = layout == "speculators-dspark"
+            extra = dict(block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"],
+                         anchor_predicts=bool(raw.get("sample_from_anchor", dspark)),
+                         markov_rank=raw.get("markov_rank", 256) if dspark else 0,
+                         markov_head_type=raw.get("markov_head_type") or "vanilla",
+                         confidence_head=bool(raw.get("enable_confidence_head", False)) and dspark,
+                         confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)))
+            dv = raw.get("draft_vocab_size")
+            if dv and int(dv) != int(lc.get("vocab_size") or tc.vocab_size):
+                raise SpecloomError(f"{path}: a reduced draft vocabulary ({dv} tokens) is not supported for "
+                                    f"{method}; specloom serves full-vocabulary block drafters")
+        else:  # zlab, deepspec: a Qwen3 config at the top level
+            lc = raw
+            dc = raw.get("dflash_config") or {}
+            zids = dc.get("target_layer_ids", raw.get("target_layer_ids"))
+            if zids is None:
+                zids = default_zlab_ids(int(raw.get("num_target_layers") or L), int(raw["num_hidden_layers"]))
+            ids = [int(i) + 1 for i in zids]
+            deepspec = layout == "deepspec"
+            extra = dict(block_size=dc.get("block_size", raw.get("block_size", 16)),
+                         mask_token_id=dc.get("mask_token_id", raw.get("mask_token_id")),
+                         anchor_predicts=deepspec, markov_rank=raw.get("markov_rank", 0) if deepspec else 0,
+                         markov_head_type=raw.get("markov_head_type") or "vanilla",
+                         confidence_head=bool(raw.get("enable_confidence_head", False)) and deepspec,
+                         confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)))
+            if extra["mask_token_id"] is None:
+                raise KeyError("mask_token_id")
+            if raw.get("is_causal") or dc.get("causal") or dc.get("use_swa"):
+                raise SpecloomError(f"{path}: causal / sliding-window draft layers are not supported")
+        H = int(lc["hidden_size"])
+        heads = int(lc["num_attention_heads"])
+        cfg = BlockDraftConfig(
+            hidden_size=H, num_layers=int(lc["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(lc.get("num_key_value_heads") or heads), head_dim=int(lc.get("head_dim") or H // heads),
+            intermediate_size=int(lc["intermediate_size"]), vocab_size=int(lc.get("vocab_size") or tc.vocab_size),
+            block_size=int(extra["block_size"]), mask_token_id=int(extra["mask_token_id"]), feature_ids=(),
+            target_hidden_size=int(raw.get("target_hidden_size") or H), rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(lc.get("rope_theta", 1000000.0)), anchor_predicts=bool(extra["anchor_predicts"]),
+            markov_rank=int(extra["markov_rank"] or 0), markov_head_type=str(extra["markov_head_type"]),
+            confidence_head=bool(extra["confidence_head"]),
+            confidence_with_markov=bool(extra["confidence_with_markov"]),
+            max_position=int(lc.get("max_position_embeddings", tc.max_position)),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecloomError(f"{path}: {method} drafter config is missing or has a bad value for {e}") from None
+    if not ids:
+        ids = (meta_of(raw).get("feature_ids") or [])
+    if not ids:
+        raise SpecloomError(f"{path}: the {method} drafter config names no target layer ids")
+    cfg.feature_ids = tuple(int(i) for i in ids)
+    bad = [i for i in cfg.feature_ids if not 0 <= i <= L]
+    if bad:
+        zl = layout not in ("speculators-dflash", "speculators-dspark")
+        shown = [i - 1 for i in bad] if zl else bad
+        conv = f"decoder-layer output ids, valid -1..{L - 1}" if zl else f"HF hidden_states ids, valid 0..{L}"
+        raise SpecloomError(f"{path}: target layer ids {shown} exceed the target's depth: it has {L} layers "
+                            f"({conv}); this drafter was made for a deeper model")
+    if cfg.block_size < (1 if cfg.anchor_predicts else 2):
+        raise SpecloomError(f"{path}: block size {cfg.block_size} drafts nothing")
+    if cfg.markov_head_type not in MARKOV_TYPES:
+        raise SpecloomError(f"{path}: unknown Markov head type {cfg.markov_head_type!r} (known: {MARKOV_TYPES})")
+    if cfg.hidden_size != tc.hidden_size or cfg.target_hidden_size != tc.hidden_size:
+        raise SpecloomError(f"{path}: drafter hidden size {cfg.hidden_size} (features {cfg.target_hidden_size}), the "
+                            f"target's is {tc.hidden_size}: it shares the target's embedding and head, so it was "
+                            "made for another model")
+    if cfg.vocab_size != tc.vocab_size:
+        raise SpecloomError(f"{path}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made for "
+                            "another model")
+    if not 0 <= cfg.mask_token_id < tc.vocab_size:
+        raise SpecloomError(f"{path}: mask token id {cfg.mask_token_id} lies outside the target's vocabulary")
+    if cfg.num_layers < 1:
+        raise SpecloomError(f"{path}: the drafter has no layers")
+    return cfg
+
+
+# -- tensor names ------------------------------------------------------------------------------------------------
+
+def expected_shapes(cfg: BlockDraftConfig) -> dict[str, tuple]:
+    """Our (= z-lab / speculators) names -> shapes."""
+    H, qd, kvd, inter, d = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                            cfg.intermediate_size, cfg.head_dim)
+    exp = {"fc.weight": (H, len(cfg.feature_ids) * cfg.target_hidden_size), "hidden_norm.weight": (H,),
+           "norm.weight": (H,)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        exp.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (qd, H), p + "self_attn.k_proj.weight": (kvd, H),
+            p + "self_attn.v_proj.weight": (kvd, H), p + "self_attn.o_proj.weight": (H, qd),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter),
+        })
+    r, V = cfg.markov_rank, cfg.vocab_size
+    if r:
+        exp.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+        if cfg.markov_head_type == "gated":
+            exp.update({"markov_head.gate_proj.weight": (r, H + r), "markov_head.gate_proj.bias": (r,)})
+        elif cfg.markov_head_type == "rnn":
+            exp.update({"markov_head.joint_proj.weight": (3 * r, 2 * r + H),
+                        "markov_head.joint_proj.bias": (3 * r,)})
+    if cfg.confidence_head:
+        w = H + (r if r and cfg.confidence_with_markov else 0)
+        exp.update({"confidence_head.proj.weight": (1, w), "confidence_head.proj.bias": (1,)})
+    return exp
+
+
+def to_builtin_name(name: str, num_layers: int) -> str:
+    last = f"mtp.{num_layers - 1}."
+    if name == "fc.weight":
+        return "mtp.0.main_proj.weight"
+    if name == "hidden_norm.weight":
+        return "mtp.0.main_norm.weight"
+    if name.startswith("layers."):
+        return "mtp." + name[len("layers."):]
+    return last + name  # norm, markov_head.*, confidence_head.*: the head stack at the last stage
+
+
+def _builtin_tensors(path: str) -> tuple[dict, str]:
+    """The `mtp.*` tensors of a target directory or overlay (any of its safetensors files, index or not)."""
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                wm = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SpecloomError(f"{index}: unreadable index ({e})") from None
+        files = sorted({os.path.join(path, v) for k, v in wm.items() if k.startswith("mtp.")} | set(files))
+    out = {}
+    for fn in files:
+        if not os.path.isfile(fn):
+            raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
+        check_safetensors(fn)
+        try:
+            with safe_open(fn, framework="pt") as f:
+                for k in f.keys():
+                    if k.startswith("mtp."):
+                        out[k] = f.get_tensor(k)
+        except SpecloomError:
+            raise
+        except Exception as e:
+            raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
+    return out, path
+
+
+def _weights_file(path: str) -> str:
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return f
+    raise SpecloomError(f"{path}: no model.safetensors or pytorch_model.bin")
+
+
+def build_block(path: str, raw: dict, target, method: str) -> BlockDraftModel:
+    cfg = block_config(path, raw, target.config, method)
+    cfg.rope_scaling = target.config.rope_scaling if cfg.rope_theta == target.config.rope_theta else None
+    exp = expected_shapes(cfg)
+    if layout_of(raw) == "builtin":
+        tensors, where = _builtin_tensors(path)
+        state = {n: take(tensors, to_builtin_name(n, cfg.num_layers), s, where) for n, s in exp.items()}
+    else:
+        wf = _weights_file(path)
+        tensors = read_tensors(wf)
+        state = {n: take(tensors, n, s, wf) for n, s in exp.items()}
+    with torch.device("meta"):
+        model = BlockDraftModel(cfg)
+    model.to_empty(device=target.device)
+    dt = target.dtype
+    model.load_state_dict({k: v.to(dt) for k, v in state.items()}, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+    model.attach_target(target)
+    pack_linears(model)
+    return model
+
+
+# -- writing -----------------------------------------------------------------------------------------------------
+
+def _state(model: BlockDraftModel, dtype) -> dict:
+    return {k: v.detach().cpu().to(dtype).contiguous() for k, v in model.state_dict().items()}
+
+
+def _qwen3_keys(cfg: BlockDraftConfig) -> dict:
+    return {
+        "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "num_hidden_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position, "hidden_act": "silu",
+        "tie_word_embeddings": False, "attention_bias": False,
+    }
+
+
+def _write(path: str, raw: dict, sd: dict, file: str = "model.safetensors") -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, file))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+
+
+def _meta(meta: dict, cfg: BlockDraftConfig) -> dict:
+    return {**meta, "feature_ids": list(cfg.feature_ids)}
+
+
+def save_zlab(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat16, num_target_layers=None) -> None:
+    cfg = model.config
+    if cfg.markov_rank or cfg.confidence_head or cfg.anchor_predicts:
+        raise ValueError("the z-lab DFlash format has no Markov/confidence heads and no anchor slot")
+    zids = [i - 1 for i in cfg.feature_ids]
+    L = num_target_layers or (meta.get("target_fingerprint") or {}).get("num_layers") or max(cfg.feature_ids)
+    raw = {"architectures": ["DFlashDraftModel"], **_qwen3_keys(cfg), "num_target_layers": L,
+           "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
+           "dflash_config": {"target_layer_ids": zids, "mask_token_id": cfg.mask_token_id,
+                             "block_size": cfg.block_size},
+           "specloom": _meta(meta, cfg)}
+    _write(path, raw, _state(model, dtype))
+
+
+def save_speculators(model: BlockDraftModel, path: str, meta: dict, kind: str, dtype=torch.bfloat16,
+                     verifier: str = "") -> None:
+    cfg = model.config
+    if kind == "dflash" and (cfg.markov_rank or cfg.confidence_head):
+        raise ValueError("a speculators dflash checkpoint has no Markov/confidence heads: save it as dspark")
+    raw = {
+        "architectures": ["DFlashSpeculator" if kind == "dflash" else "DSparkSpeculator"],
+        "speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_drafts,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": []},
+        },
+        "transformer_layer_config": _qwen3_keys(cfg),
+        "draft_vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
+        "target_hidden_size": cfg.target_hidden_size, "aux_hidden_state_layer_ids": list(cfg.feature_ids),
+        "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True,
+        "sample_from_anchor": cfg.anchor_predicts,
+    }
+    if kind == "dspark":
+        raw.update({"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+                    "enable_confidence_head": cfg.confidence_head,
+                    "confidence_head_with_markov": cfg.confidence_with_markov})
+    raw["specloom"] = _meta(meta, cfg)
+    _write(path, raw, _state(model, dtype))
+
+
+def builtin_keys(cfg: BlockDraftConfig) -> dict:
+    """The config keys a target checkpoint with a built-in DSpark carries."""
+    if not cfg.anchor_predicts:
+        raise ValueError("a built-in DSpark drafts from the anchor slot (anchor_predicts=True)")
+    return {"dspark_block_size": cfg.block_size, "dspark_target_layer_ids": [i - 1 for i in cfg.feature_ids],
+            "dspark_markov_rank": cfg.markov_rank, "dspark_markov_head_type": cfg.markov_head_type,
+            "dspark_noise_token_id": cfg.mask_token_id, "n_mtp_layers": cfg.num_layers,
+            "enable_confidence_head": cfg.confidence_head,
+            "dspark_confidence_head_with_markov": cfg.confidence_with_markov,
+            "dspark_intermediate_size": cfg.intermediate_size}
+
+
+def builtin_state(model: BlockDraftModel, dtype=torch.bfloat16) -> dict:
+    n = model.config.num_layers
+    return {to_builtin_name(k, n): v for k, v in _state(model, dtype).items()}
+
+
+def save_overlay(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat16) -> None:
+    """A DSpark overlay: the config keys and `mtp.*` tensors of a built-in DSpark, without the target's weights
+    (bundled next to GGUF targets, found by `method: dspark` without `model`)."""
+    cfg = model.config
+    raw = {**builtin_keys(cfg), "specloom": _meta(meta, cfg)}
+    _write(path, raw, builtin_state(model, dtype))
+
+
+def add_to_target_dir(model: BlockDraftModel, target_dir: str, meta: dict, dtype=torch.bfloat16) -> None:
+    """Build a DSpark into a target's HF directory: its tensors go to `model-dspark.safetensors` (added to the
+    weight index when there is one), its keys into the target's config.json."""
+    from safetensors.torch import save_file
+
+    cfg_path = os.path.join(target_dir, "config.json")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    sd = builtin_state(model, dtype)
+    save_file(sd, os.path.join(target_dir, DSPARK_FILE))
+    raw.update(builtin_keys(model.config))
+    raw["specloom_dspark"] = _meta(meta, model.config)
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    index = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            idx = json.load(f)
+        wm = {k: v for k, v in idx.get("weight_map", {}).items() if not k.startswith("mtp.")}
+        wm.update({k: DSPARK_FILE for k in sd})
+        idx["weight_map"] = wm
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=1)
+
+
+# -- registration ------------------------------------------------------------------------------------------------
+
+class _BlockFormat:
+    method = ""
+
+    @classmethod
+    def read_config(cls, path: str, raw: dict) -> None:
+        check_layout(path, raw, cls.method)
+
+    @classmethod
+    def build(cls, path: str, raw: dict, target):
+        return build_block(path, raw, target, cls.method)
+
+
+@checkpoint_format("dflash")
+class DFlashFormat(_BlockFormat):
+    method = "dflash"
+
+    @classmethod
+    def save(cls, model, path: str, meta: dict, fmt: str = "zlab", **kw) -> None:
+        if fmt == "zlab":
+            save_zlab(model, path, meta, **kw)
+        elif fmt == "speculators":
+            save_speculators(model, path, meta, "dflash", **kw)
+        else:
+            raise ValueError(f"unknown DFlash format {fmt!r} (zlab | speculators)")
+
+
+@checkpoint_format("dspark")
+class DSparkFormat(_BlockFormat):
+    method = "dspark"
+
+    @classmethod
+    def save(cls, model, path: str, meta: dict, fmt: str = "overlay", **kw) -> None:
+        if fmt == "overlay":
+            save_overlay(model, path, meta, **kw)
+        elif fmt == "speculators":
+            save_speculators(model, path, meta, "dspark", **kw)
+        elif fmt == "target":  # path = an existing target HF directory
+            add_to_target_dir(model, path, meta, **kw)
+        else:
+            raise ValueError(f"unknown DSpark format {fmt!r} (overlay | speculators | target)")

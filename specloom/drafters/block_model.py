@@ -1,0 +1,300 @@
+"""The block drafter network (DFlash, DSpark): one definition for training and inference (drafters.md §5.1, §6.1).
+
+    C = hidden_norm(fc(cat[target features]))            context, one row per committed position
+    x = target.embed([anchor, MASK, ..., MASK])          a block of B tokens at positions s .. s+B-1
+    per draft layer (Qwen3-style): queries = the block; keys/values = [k_norm(k_proj(C)), v_proj(C)] at the context
+        positions (each layer projects C with its own k/v) + the block's own keys; NON-causal inside the block
+    h = norm(x); U = target.logits(h)                     the target's embedding and LM head, not owned
+    DSpark extras: logits = U + Markov bias B(x_{k-1}) (vanilla | gated | rnn), confidence c_k = sigmoid(proj(...))
+
+`anchor_predicts` False (DFlash): slot p predicts the token at position s+p, drafts = slots 1..B-1.
+True (DSpark, speculators `sample_from_anchor`): slot p predicts the token at s+p+1, drafts = slots 0..B-1.
+Feature ids are HF `hidden_states` indices (z-lab / DeepSpec decoder-layer-output id k == our k + 1).
+
+Inference keeps a `KVCache` (one entry per draft layer) of context keys/values of committed positions only; the
+block's own keys are computed per pass and never stored. Training runs many anchors of a padded batch at once:
+block j sees the context of its own sequence before its anchor plus its whole block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..config import RopeScaling
+from ..kv import KVCache
+from ..models.layers import RMSNorm, Rope, apply_rope
+from .eagle_model import DraftMLP
+
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class BlockDraftConfig:
+    hidden_size: int
+    num_layers: int  # draft layers
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    feature_ids: tuple[int, ...]  # HF hidden_states ids read from the target
+    target_hidden_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    rope_scaling: RopeScaling | None = None
+    anchor_predicts: bool = False  # False: DFlash (drafts = B-1); True: DSpark (drafts = B)
+    markov_rank: int = 0  # 0 = no Markov head
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_with_markov: bool = True  # the confidence head also reads W1[x_{k-1}] (when there is a Markov head)
+    max_position: int = 32768
+
+    @property
+    def num_drafts(self) -> int:
+        return self.block_size if self.anchor_predicts else self.block_size - 1
+
+    @property
+    def first_slot(self) -> int:
+        return 0 if self.anchor_predicts else 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["feature_ids"] = list(self.feature_ids)
+        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockDraftConfig":
+        d = dict(d)
+        d["feature_ids"] = tuple(d["feature_ids"])
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def block_attention(q, kc, vc, kb, vb, ctx_mask, block_size: int, scale: float) -> torch.Tensor:
+    """q, kb, vb: (B, h|h_kv, N, d) block rows, N = anchors * block_size, consecutive `block_size` rows forming one
+    block; kc, vc: (B, h_kv, S, d) context keys/values; ctx_mask (B, N, S) bool or None (= all context visible).
+    Every row attends to the allowed context keys and to all keys of its own block. Returns (B, h, N, d)."""
+    dt = kc.dtype
+    q, kb, vb = q.to(dt), kb.to(dt), vb.to(dt)
+    B, h, N, d = q.shape
+    rep = h // kc.shape[1]
+    if rep > 1:
+        kc, vc, kb, vb = (t.repeat_interleave(rep, 1) for t in (kc, vc, kb, vb))
+    S, A = kc.shape[2], N // block_size
+    sc = (q @ kc.transpose(-1, -2)) * scale  # (B, h, N, S)
+    if ctx_mask is not None:
+        sc = sc.masked_fill(~ctx_mask[:, None], float("-inf"))
+    qb = q.view(B, h, A, block_size, d)
+    sb = (qb @ kb.view(B, h, A, block_size, d).transpose(-1, -2)) * scale  # (B, h, A, bs, bs)
+    w = torch.softmax(torch.cat([sc, sb.reshape(B, h, N, block_size)], -1).float(), -1).to(dt)
+    ob = w[..., S:].reshape(B, h, A, block_size, block_size) @ vb.view(B, h, A, block_size, d)
+    return w[..., :S] @ vc + ob.reshape(B, h, N, d)
+
+
+class BlockAttention(nn.Module):
+    def __init__(self, c: BlockDraftConfig):
+        super().__init__()
+        H = c.hidden_size
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(H, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, H, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.scale = c.head_dim ** -0.5
+
+    def keys(self, x, cos, sin):
+        """(B, T, H) -> k, v (B, h_kv, T, d): used for the context C and for the block alike."""
+        B, T, _ = x.shape
+        k = apply_rope(self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)), cos, sin)
+        return k.transpose(1, 2), self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+
+    def query(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)), cos, sin)
+        return q.transpose(1, 2)
+
+    def out(self, o):  # (B, h, T, d) -> (B, T, H)
+        B, h, T, d = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, h * d))
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, c: BlockDraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = BlockAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = DraftMLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, cos, sin, kc, vc, ctx_mask, block_size: int):
+        a = self.self_attn
+        xn = self.input_layernorm(x)
+        kb, vb = a.keys(xn, cos, sin)
+        o = block_attention(a.query(xn, cos, sin), kc, vc, kb, vb, ctx_mask, block_size, a.scale)
+        x = x + a.out(o.to(x.dtype))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MarkovHead(nn.Module):
+    """Logit bias from the previous token (§6.1): vanilla W2(W1[x]); gated W2(sigmoid(gate_proj([h; W1[x]])) *
+    W1[x]); rnn z = [s; W1[x]; h], (g, c, o) = joint_proj(z), s <- sig(g) s + (1 - sig(g)) tanh(c), W2(tanh(o))."""
+
+    def __init__(self, c: BlockDraftConfig):
+        super().__init__()
+        r, H = c.markov_rank, c.hidden_size
+        self.kind, self.rank = c.markov_head_type, r
+        self.markov_w1 = nn.Embedding(c.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + H, 3 * r)
+
+    def forward(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
+        """prev (...,) previous tokens, h (..., H) slot hidden -> (bias (..., V) fp32, new rnn state or None)."""
+        e = self.markov_w1(prev).to(h.dtype)
+        if self.kind == "vanilla":
+            z = e
+        elif self.kind == "gated":
+            z = torch.sigmoid(self.gate_proj(torch.cat([h, e], -1))) * e
+        else:
+            s = torch.zeros_like(e) if state is None else state.to(e.dtype)
+            g, cand, o = self.joint_proj(torch.cat([s, e, h], -1)).chunk(3, -1)
+            g = torch.sigmoid(g)
+            state = g * s + (1 - g) * torch.tanh(cand)
+            z = torch.tanh(o)
+        return self.markov_w2(z).float(), state
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(proj([h_k; W1[x_{k-1}]])): the chance that slot k is accepted given its prefix was."""
+
+    def __init__(self, c: BlockDraftConfig):
+        super().__init__()
+        extra = c.markov_rank if (c.markov_rank and c.confidence_with_markov) else 0
+        self.proj = nn.Linear(c.hidden_size + extra, 1)
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor | None) -> torch.Tensor:
+        """Logit of c (...,) fp32."""
+        x = h if e is None else torch.cat([h, e.to(h.dtype)], -1)
+        return self.proj(x).float().squeeze(-1)
+
+
+class BlockDraftModel(nn.Module):
+    def __init__(self, c: BlockDraftConfig, target=None):
+        super().__init__()
+        if c.markov_head_type not in MARKOV_TYPES:
+            raise ValueError(f"markov_head_type must be one of {MARKOV_TYPES}, got {c.markov_head_type!r}")
+        self.config = c
+        H = c.hidden_size
+        self.fc = nn.Linear(len(c.feature_ids) * c.target_hidden_size, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling)
+        if c.markov_rank:
+            self.markov_head = MarkovHead(c)
+        if c.confidence_head:
+            self.confidence_head = ConfidenceHead(c)
+        # The target's embedding and LM head are shared, not owned: kept out of the module tree on purpose.
+        self._shared = {"target": target}
+
+    def attach_target(self, target) -> None:
+        self._shared = {"target": target}
+
+    @property
+    def dtype(self):
+        return self.fc.weight.dtype
+
+    @property
+    def has_markov(self) -> bool:
+        return self.config.markov_rank > 0
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.config.confidence_head
+
+    def embed(self, tokens):
+        return self._shared["target"].embed(tokens).to(self.dtype)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed slot hidden (..., H) -> fp32 logits through the target's head (before any Markov bias)."""
+        t = self._shared["target"]
+        return t.logits(h.to(t.dtype))
+
+    def markov_bias(self, prev, h, state=None):
+        return self.markov_head(prev, h, state)
+
+    def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        e = self.markov_head.markov_w1(prev) if self.has_markov and self.config.confidence_with_markov else None
+        return self.confidence_head(h, e)
+
+    # -- the network -----------------------------------------------------------------------------------------
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """features (B, T, F) at RoPE positions (B, T) -> per draft layer the context keys/values (B, h_kv, T, d)."""
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        cos, sin = self.rope(positions, ctx.dtype)
+        return [layer.self_attn.keys(ctx, cos, sin) for layer in self.layers]
+
+    def block_hidden(self, tokens, positions, ctx_kv, ctx_mask=None) -> torch.Tensor:
+        """tokens, positions (B, N): blocks of `block_size` consecutive rows -> final-normed hidden (B, N, H)."""
+        x = self.embed(tokens)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer, (kc, vc) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, kc, vc, ctx_mask, self.config.block_size)
+        return self.norm(x)
+
+    # -- inference -------------------------------------------------------------------------------------------
+    def new_kv(self, max_len: int, dtype=None) -> KVCache:
+        c = self.config
+        dev = self.fc.weight.device
+        dt = dtype or (torch.float32 if dev.type == "cpu" else self.dtype)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dt, dev)
+
+    def extend(self, kv: KVCache, features: torch.Tensor) -> None:
+        """Append the context keys/values of the next committed positions (features (1, m, F)) to kv."""
+        m = features.shape[1]
+        start = kv.reserve(m)
+        pos = torch.arange(start, start + m, device=features.device)[None]
+        for i, (k, v) in enumerate(self.context_kv(features, pos)):
+            kv.write(i, start, k.to(kv.dtype), v.to(kv.dtype))
+        kv.commit()
+
+    def draft_block(self, kv: KVCache, anchor: int, position: int) -> torch.Tensor:
+        """One block [anchor, MASK ...] at positions position.. over the cached context -> slot hidden (B, H)."""
+        c = self.config
+        dev = self.fc.weight.device
+        toks = torch.tensor([[anchor] + [c.mask_token_id] * (c.block_size - 1)], device=dev)
+        pos = torch.arange(position, position + c.block_size, device=dev)[None]
+        S = kv.length
+        ctx = [(k[:, :, :S], v[:, :, :S]) for k, v in kv.layers]
+        return self.block_hidden(toks, pos, ctx)[0]
+
+    # -- training --------------------------------------------------------------------------------------------
+    def train_blocks(self, features, tokens, valid, anchors) -> torch.Tensor:
+        """features (B, T, F), tokens (B, T), valid (B, T) bool, anchors (B, A) positions -> slot hidden
+        (B, A, block_size, H). Block j = [x_anchor_j, MASK ...] at positions anchor_j.. sees its sequence's context
+        at positions < anchor_j and its own block."""
+        c = self.config
+        B, T = tokens.shape
+        A, bs = anchors.shape[1], c.block_size
+        dev = tokens.device
+        ctx_kv = self.context_kv(features, torch.arange(T, device=dev)[None].expand(B, T))
+        slot = torch.arange(bs, device=dev)
+        btok = torch.full((B, A, bs), c.mask_token_id, dtype=torch.long, device=dev)
+        btok[..., 0] = tokens.gather(1, anchors)
+        bpos = anchors[..., None] + slot
+        see = (torch.arange(T, device=dev)[None, None] < anchors[..., None]) & valid[:, None]  # (B, A, T)
+        see = see[:, :, None].expand(B, A, bs, T).reshape(B, A * bs, T)
+        h = self.block_hidden(btok.view(B, A * bs), bpos.view(B, A * bs), ctx_kv, see)
+        return h.view(B, A, bs, -1)

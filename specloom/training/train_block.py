@@ -1,0 +1,172 @@
+"""`specloom train dflash` / `specloom train dspark`: block drafters (drafters.md §5.3, §6.1).
+
+Per batch, up to `--num-anchors` anchors per sequence are drawn from its answer positions (loss mask), none in the
+last `block_size` positions. Each anchor gives a block [x_a, MASK ...] at positions a.. that sees the sequence's
+target features before a (`BlockDraftModel.train_blocks`). Labels are the target's soft distributions: the target
+head over the stored final hidden state at the position before each slot's predicted token. Loss: soft
+cross-entropy per drafted slot k (1-based), weighted exp(-(k-1)/4). DSpark adds the Markov head (teacher-forced:
+the previous token is the true one) and the confidence head, trained with BCE towards c* = 1 - 1/2 ||p_d - p_t||_1
+(detached). Metrics acc{j}: top-1 agreement with the target at drafted slot j (0 = the first draft).
+
+Feature ids: the EAGLE-3 ids of `specloom data` (HF 2, L//2, L-3, i.e. z-lab/DeepSpec 1, L//2-1, L-4).
+Checkpoints: DFlash in the z-lab format; DSpark as a built-in overlay (`config.json` with the `dspark_*` keys and
+the `mtp.*` tensors), which `method: dspark` finds without `model` once bundled for the target.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .train import _Base, _soft_ce, trainer
+
+DECAY = 4.0  # slot weight exp(-(k-1)/DECAY), DeepSpec / speculators default
+
+
+def default_mask_token(tokenizer, data, vocab_size: int) -> int:
+    """A token the target never emits: the highest-id added (special) token that is not BOS/EOS/pad and never
+    occurs in the training data; else the data's rarest token (highest id among ties)."""
+    hf = tokenizer.hf
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for t, _, _ in data.seqs:
+        counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
+    reserved = {hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, *tokenizer.eos_token_ids}
+    added = sorted(getattr(hf, "added_tokens_decoder", {}) or {}, reverse=True)
+    for i in added:
+        if i not in reserved and i < vocab_size and counts[i] == 0:
+            return int(i)
+    order = torch.argsort(counts.flip(0), stable=True)  # rarest first, highest id first among ties
+    return int(counts.numel() - 1 - order[0])
+
+
+class _BlockTrainer(_Base):
+    anchor_predicts = False
+    default_block = 6
+    markov = False
+
+    @classmethod
+    def data_ids(cls, L):
+        from .selfdistill import eagle3_layer_ids
+
+        return tuple(sorted({*eagle3_layer_ids(L), L}))
+
+    def __init__(self, target, tokenizer, data, args):
+        super().__init__(target, tokenizer, data, args)
+        from ..drafters.block_model import BlockDraftConfig, BlockDraftModel
+        from ..drafters.eagle_model import init_weights
+        from .selfdistill import eagle3_layer_ids
+
+        tc = target.config
+        self.feature_ids = tuple(sorted(set(eagle3_layer_ids(self.L))))
+        mask = args.mask_token_id if args.mask_token_id is not None else default_mask_token(tokenizer, data, tc.vocab_size)
+        rank = args.markov_rank if self.markov else 0
+        cfg = BlockDraftConfig(
+            hidden_size=tc.hidden_size, num_layers=args.draft_layers or 1, num_heads=tc.num_heads,
+            num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim,
+            intermediate_size=args.draft_intermediate or max(1, tc.intermediate_size // 2),
+            vocab_size=tc.vocab_size, block_size=args.block_size or self.default_block, mask_token_id=mask,
+            feature_ids=self.feature_ids, target_hidden_size=tc.hidden_size, rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling, anchor_predicts=self.anchor_predicts,
+            markov_rank=rank, markov_head_type=args.markov_head, confidence_head=self.markov,
+            max_position=tc.max_position,
+        )
+        self.model = BlockDraftModel(cfg)
+        init_weights(self.model, args.seed)
+        with torch.no_grad():
+            self.model.norm.weight.copy_(target.norm.weight.float())  # the head expects the target's final scale
+            if rank:
+                self.model.markov_head.markov_w2.weight.zero_()  # start as the plain backbone
+        self.model.attach_target(target)
+        print(f"specloom train {self.kind}: block {cfg.block_size} ({cfg.num_drafts} drafts), {cfg.num_layers} "
+              f"layer(s), mask token {mask}, target layers (HF ids) {list(self.feature_ids)}", file=sys.stderr)
+
+    def _anchors(self, loss_mask, valid):
+        """(B, A) anchor positions and (B, A) validity: up to --num-anchors answer positions per sequence, each
+        with at least one context position before it and a whole labelled block after it."""
+        bs = self.model.config.block_size
+        B, T = valid.shape
+        n = valid.sum(1, keepdim=True)
+        pos = torch.arange(T)[None]
+        ok = loss_mask & valid & (pos >= 1) & (pos <= n - 1 - bs)
+        A = self.args.num_anchors
+        picks = []
+        for b in range(B):
+            idx = ok[b].nonzero().flatten()
+            if idx.numel() > A:
+                idx = idx[torch.randperm(idx.numel(), generator=self.gen)[:A]].sort().values
+            picks.append(idx)
+        width = max(1, max(p.numel() for p in picks))
+        anchors = torch.zeros(B, width, dtype=torch.long)
+        good = torch.zeros(B, width, dtype=torch.bool)
+        for b, p in enumerate(picks):
+            anchors[b, :p.numel()] = p
+            good[b, :p.numel()] = True
+        return anchors, good
+
+    def loss(self, batch):
+        m = self.model
+        c = m.config
+        tokens, valid = batch["tokens"], batch["valid"]
+        anchors, good = self._anchors(batch["loss_mask"], valid)
+        if not good.any():
+            return sum(p.sum() * 0.0 for p in self.parameters()), {}
+        feats = torch.cat([batch["hidden"][i] for i in self.feature_ids], -1)
+        h = m.train_blocks(feats, tokens, valid, anchors)  # (B, A, bs, H)
+        s0, S = c.first_slot, c.num_drafts
+        slots = torch.arange(S)
+        # target row whose next-token distribution labels each drafted slot = the position before its token
+        rows = anchors[..., None] + slots  # (B, A, S); DFlash slot j+1 / DSpark slot j predict position row + 1
+        bidx = torch.arange(tokens.shape[0])[:, None].expand_as(anchors)[good]  # (N,)
+        rows = rows[good]  # (N, S)
+        hs = h[:, :, s0:s0 + S][good]  # (N, S, H)
+        tgt = self.target_logits(batch["hidden"][self.L][bidx[:, None], rows])  # (N, S, V)
+        logits = m.draft_logits(hs)
+        prev = tokens[bidx[:, None], rows]  # the token before each slot's prediction (teacher forcing)
+        if m.has_markov:
+            state, bias = None, []
+            for j in range(S):
+                bj, state = m.markov_bias(prev[:, j], hs[:, j], state)
+                bias.append(bj)
+            logits = logits + torch.stack(bias, 1)
+        w = torch.tensor([math.exp(-j / DECAY) for j in range(S)])
+        ce = _soft_ce(logits, tgt)  # (N, S)
+        total = (ce * w).sum() / (ce.shape[0] * w.sum())
+        metrics = {}
+        agree = logits.argmax(-1) == tgt.argmax(-1)
+        for j in range(S):
+            metrics[f"acc{j}"] = float(agree[:, j].float().mean())
+        if m.has_confidence:
+            with torch.no_grad():
+                target_c = 1 - 0.5 * (torch.softmax(logits.float(), -1) - torch.softmax(tgt, -1)).abs().sum(-1)
+            cl = m.confidence_logit(hs, prev)
+            bce = F.binary_cross_entropy_with_logits(cl.float(), target_c.clamp(0, 1), reduction="none")
+            total = total + (bce * w).sum() / (bce.shape[0] * w.sum())
+            metrics["conf_err"] = float((torch.sigmoid(cl.float()) - target_c).abs().mean())
+        return total, metrics
+
+    def target_logits(self, h, rows=None):
+        return self.target.logits(h.to(self.head_w.dtype))
+
+
+@trainer("dflash")
+class DFlashTrainer(_BlockTrainer):
+    def save(self, path, meta):
+        from ..drafters.checkpoint import save_drafter
+
+        save_drafter("dflash", self.model, path, {**meta, "target": self.args.target}, fmt="zlab",
+                     num_target_layers=self.L)
+
+
+@trainer("dspark")
+class DSparkTrainer(_BlockTrainer):
+    anchor_predicts = True
+    default_block = 5
+    markov = True
+
+    def save(self, path, meta):
+        from ..drafters.checkpoint import save_drafter
+
+        save_drafter("dspark", self.model, path, {**meta, "target": self.args.target}, fmt="overlay")

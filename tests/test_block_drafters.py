@@ -1,0 +1,333 @@
+"""Block drafters (DFlash, DSpark) on a tiny random fp32 target: random-init drafters give output identical to
+plain greedy decoding (Markov heads vanilla / gated / rnn, confidence head, a truncating threshold); "oracle" slots
+that predict the true continuation are all accepted (tau = drafts + 1); temperature sampling matches plain
+sampling; every checkpoint layout round-trips (z-lab, speculators dflash/dspark, DeepSpec, built into a target HF
+directory, bundled overlay); bad settings and files fail clearly; `specloom train dflash|dspark` smoke test."""
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+import specloom
+from specloom import Engine, SpecloomError
+from specloom.drafters import DRAFTERS
+from specloom.drafters.block_format import add_to_target_dir
+from specloom.drafters.block_model import BlockDraftConfig, BlockDraftModel
+from specloom.drafters.checkpoint import save_drafter, specloom_meta
+from specloom.drafters.eagle_model import init_weights
+from specloom.speculative import SpeculativeConfig
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
+N = 29
+IDS = (1, 2, 3)  # HF hidden_states ids of the 3-layer tiny target (z-lab ids 0, 1, 2)
+
+
+def make_block(t, dspark: bool, block: int, markov: str | None = None, layers: int = 2, seed: int = 0,
+               confidence: bool = False) -> BlockDraftModel:
+    c = t.model.config
+    cfg = BlockDraftConfig(
+        hidden_size=c.hidden_size, num_layers=layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim, intermediate_size=96, vocab_size=c.vocab_size, block_size=block, mask_token_id=3,
+        feature_ids=IDS, target_hidden_size=c.hidden_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        anchor_predicts=dspark, markov_rank=8 if markov else 0, markov_head_type=markov or "vanilla",
+        confidence_head=confidence)
+    m = BlockDraftModel(cfg)
+    init_weights(m, seed, std=0.3)
+    m.attach_target(t.model)
+    return m
+
+
+def save(t, m, kind, path, **kw):
+    save_drafter(kind, m, path, specloom_meta(kind, t.model, t.tokenizer, m.config.feature_ids),
+                 dtype=torch.float32, **kw)
+    return path
+
+
+@pytest.fixture(scope="module")
+def blocks(tiny, tmp_path_factory):
+    t = tiny("llama")
+    root = tmp_path_factory.mktemp("blocks")
+    return t, {
+        "dflash": save(t, make_block(t, False, 5), "dflash", str(root / "dflash")),
+        "dspark": save(t, make_block(t, True, 4, "vanilla", confidence=True), "dspark", str(root / "dspark")),
+        "dspark_gated": save(t, make_block(t, True, 4, "gated", seed=1), "dspark", str(root / "gated"),
+                             fmt="speculators"),
+        "dspark_rnn": save(t, make_block(t, True, 3, "rnn", seed=2, confidence=True), "dspark", str(root / "rnn")),
+    }
+
+
+def plain(t, ids, **kw):
+    return Engine(t.model, t.tokenizer).generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True, **kw)
+
+
+def engine(t, path, method, **extra):
+    return Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": method, "model": path, **extra}))
+
+
+CASES = [
+    ("dflash", {}),
+    ("dflash", {"num_speculative_tokens": 2}),
+    ("dspark", {}),
+    ("dspark_gated", {}),
+    ("dspark_rnn", {}),
+]
+
+
+@pytest.mark.parametrize("name,extra", CASES)
+def test_random_drafter_identical(blocks, name, extra):
+    t, paths = blocks
+    e = engine(t, paths[name], name.split("_")[0], **extra)
+    for ids in PROMPTS:
+        got = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+        assert got.token_ids == plain(t, ids).token_ids
+        assert got.num_target_passes <= N
+        assert got.num_draft_tokens > 0
+    mem, c = e.drafter.memory(), e.drafter.model.config  # own tensors only (the target's embedding/head are shared)
+    assert mem["weights"] == sum(p.numel() * 4 for p in e.drafter.model.parameters())
+    assert mem["kv_per_1k_tokens"] == 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 1000
+
+
+def test_confidence_threshold_truncates(blocks):
+    t, paths = blocks
+    full = engine(t, paths["dspark"], "dspark")
+    cut = engine(t, paths["dspark"], "dspark", confidence_threshold=0.9)
+    for ids in PROMPTS:
+        a = full.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+        b = cut.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+        assert a.token_ids == b.token_ids == plain(t, ids).token_ids
+        assert 0 < b.num_draft_tokens < a.num_draft_tokens, (a.num_draft_tokens, b.num_draft_tokens)
+
+
+class _Oracle:
+    """Every drafted slot j of a step with root position n scores the true token x_{n+1+j} far above the rest."""
+
+    def __init__(self, drafter, truth):
+        d, self.truth = drafter, truth
+        orig = d.propose
+
+        def propose(ctx):
+            self.n = len(ctx.tokens) - 1
+            return orig(ctx)
+
+        def draft_logits(h):
+            out = torch.zeros(h.shape[0], 256)
+            for j in range(h.shape[0]):
+                out[j, truth[min(self.n + 1 + j, len(truth) - 1)]] = 100.0
+            return out
+
+        d.propose = propose
+        d.model.draft_logits = draft_logits
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark_rnn"])
+def test_oracle_all_accepted(blocks, name):
+    t, paths = blocks
+    for ids in PROMPTS:
+        truth = ids + plain(t, ids).token_ids
+        e = engine(t, paths[name], name.split("_")[0])
+        _Oracle(e.drafter, truth)
+        got = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+        assert got.token_ids == truth[len(ids):]
+        k = e.drafter.num_speculative_tokens
+        assert got.num_accepted_tokens == got.num_draft_tokens
+        assert got.mean_accepted_length == pytest.approx(k + 1, rel=0.15)
+
+
+@pytest.mark.parametrize("name", ["dflash", "dspark_gated"])
+def test_sampling_distribution(blocks, name, sampling_tv):
+    t, paths = blocks
+    e = engine(t, paths[name], name.split("_")[0])
+    tv = sampling_tv(e, Engine(t.model, t.tokenizer), PROMPTS[0])
+    assert tv < 0.12, tv
+
+
+def _same(a: BlockDraftModel, b: BlockDraftModel):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sorted(sa) == sorted(sb)
+    for k in sa:
+        assert torch.equal(sa[k].float(), sb[k].float()), k
+    assert a.config.to_dict() == b.config.to_dict()
+
+
+def test_formats_round_trip(blocks, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    t, paths = blocks
+    src = engine(t, paths["dflash"], "dflash").drafter.model
+    raw = json.load(open(os.path.join(paths["dflash"], "config.json")))
+    assert raw["architectures"] == ["DFlashDraftModel"] and raw["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    assert raw["num_hidden_layers"] == 2 and raw["num_target_layers"] == 3 and "embed_tokens.weight" not in \
+        load_file(os.path.join(paths["dflash"], "model.safetensors"))
+    out = save(t, src, "dflash", str(tmp_path / "dflash_spec"), fmt="speculators")
+    raw = json.load(open(os.path.join(out, "config.json")))
+    assert raw["speculators_model_type"] == "dflash" and raw["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    _same(src, engine(t, out, "dflash").drafter.model)
+
+    ds = engine(t, paths["dspark_rnn"], "dspark").drafter.model
+    for fmt in ("speculators", "overlay"):
+        out = save(t, ds, "dspark", str(tmp_path / f"dspark_{fmt}"), fmt=fmt)
+        _same(ds, engine(t, out, "dspark").drafter.model)
+    # DeepSpec layout: top-level Qwen3 keys, decoder-layer-output ids, frozen embed/head copies (ignored)
+    spec_dir = str(tmp_path / "dspark_speculators")
+    sd = load_file(os.path.join(spec_dir, "model.safetensors"))
+    sd["embed_tokens.weight"] = torch.zeros(256, 64)
+    sd["lm_head.weight"] = torch.zeros(256, 64)
+    sr = json.load(open(os.path.join(spec_dir, "config.json")))
+    deep = {"architectures": ["Qwen3DSparkModel"], **sr["transformer_layer_config"], "num_target_layers": 3,
+            "block_size": 3, "mask_token_id": 3, "target_layer_ids": [0, 1, 2], "markov_rank": 8,
+            "markov_head_type": "rnn", "enable_confidence_head": True, "confidence_head_with_markov": True}
+    os.makedirs(tmp_path / "deepspec")
+    save_file(sd, str(tmp_path / "deepspec" / "model.safetensors"))
+    json.dump(deep, open(tmp_path / "deepspec" / "config.json", "w"))
+    _same(ds, engine(t, str(tmp_path / "deepspec"), "dspark").drafter.model)
+
+
+def _target_copy(t, dst, index: bool = False) -> str:
+    shutil.copytree(t.path, dst)
+    if index:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(dst, "model.safetensors"), framework="pt") as f:
+            wm = {k: "model.safetensors" for k in f.keys()}
+        json.dump({"metadata": {}, "weight_map": wm}, open(os.path.join(dst, "model.safetensors.index.json"), "w"))
+    return dst
+
+
+def test_builtin_in_target_dir(blocks, tmp_path):
+    t, paths = blocks
+    ds = engine(t, paths["dspark"], "dspark").drafter.model
+    for index in (False, True):
+        d = _target_copy(t, str(tmp_path / f"target_{index}"), index)
+        add_to_target_dir(ds, d, specloom_meta("dspark", t.model, t.tokenizer, ds.config.feature_ids),
+                          dtype=torch.float32)
+        raw = json.load(open(os.path.join(d, "config.json")))
+        assert raw["dspark_block_size"] == 4 and raw["dspark_target_layer_ids"] == [0, 1, 2]
+        assert raw["n_mtp_layers"] == 2 and raw["dspark_noise_token_id"] == 3
+        if index:
+            wm = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
+            assert wm["mtp.1.markov_head.markov_w1.weight"] == "model-dspark.safetensors"
+        e = specloom.load(d, {"method": "dspark"}, dtype="fp32", progress=False)  # found without "model"
+        assert e.drafter.method == "dspark" and e.drafter.num_speculative_tokens == 4
+        _same(ds, e.drafter.model)
+        for ids in PROMPTS:
+            assert e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True).token_ids == \
+                plain(t, ids).token_ids
+    # a missing mtp.* tensor is named
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(d, "model-dspark.safetensors")
+    sd = load_file(f)
+    sd.pop("mtp.1.markov_head.markov_w1.weight")
+    save_file(sd, f)
+    with pytest.raises(SpecloomError, match=r"mtp\.1\.markov_head\.markov_w1\.weight' is missing"):
+        specloom.load(d, {"method": "dspark"}, dtype="fp32", progress=False)
+
+
+def test_bundled_overlay_found(blocks, tmp_path, monkeypatch):
+    import specloom.drafters.checkpoint as ck
+
+    t, paths = blocks
+    with pytest.raises(SpecloomError, match="has no built-in dspark drafter"):
+        Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "dspark"}))
+    with pytest.raises(SpecloomError, match="no bundled dflash drafter"):
+        Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "dflash"}))
+    bundle = tmp_path / "bundled"
+    shutil.copytree(paths["dspark"], bundle / "tiny" / "dspark")
+    shutil.copytree(paths["dflash"], bundle / "tiny" / "dflash")
+    monkeypatch.setattr(ck, "BUNDLED", str(bundle))
+    for method in ("dspark", "dflash"):
+        e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": method}))
+        assert e.drafter.method == method
+        assert e.generate(prompt_token_ids=PROMPTS[0], max_tokens=N, ignore_eos=True).token_ids == \
+            plain(t, PROMPTS[0]).token_ids
+
+
+def test_bad_settings_and_files(blocks, tmp_path):
+    t, paths = blocks
+    cfg = t.model.config
+
+    def both(spec, match):
+        s = SpeculativeConfig.parse(spec)
+        with pytest.raises(SpecloomError, match=match):
+            DRAFTERS[s.method].check(s, cfg)  # before the target loads
+        with pytest.raises(SpecloomError, match=match):
+            Engine(t.model, t.tokenizer, s)
+
+    for k in (2, 7):
+        both({"method": "dspark", "model": paths["dspark"], "num_speculative_tokens": k},
+             rf"trained with a block of 4 and drafts exactly 4 tokens in one pass; num_speculative_tokens={k} "
+             r"cannot be served .* set it to 4")
+    both({"method": "dflash", "model": paths["dflash"], "num_speculative_tokens": 5}, "drafts at most 4 tokens")
+    both({"method": "dflash", "model": paths["dflash"], "confidence_threshold": 0.3}, "needs a drafter with a "
+         "confidence head")
+    both({"method": "dflash", "model": paths["dspark"]}, 'this is a dspark checkpoint, not dflash .*"dspark"')
+    both({"method": "dspark", "model": paths["dflash"]}, "this is a dflash checkpoint, not dspark")
+    for bad in (1.5, -0.1, "high", True):
+        with pytest.raises(SpecloomError, match="confidence_threshold"):
+            SpeculativeConfig.parse({"method": "dspark", "confidence_threshold": bad})
+    # layer ids past the target's depth (z-lab convention: decoder-layer outputs, 3 layers -> ids -1..2)
+    deep = tmp_path / "deep"
+    shutil.copytree(paths["dflash"], deep)
+    raw = json.load(open(deep / "config.json"))
+    raw["dflash_config"]["target_layer_ids"] = [0, 1, 7]
+    json.dump(raw, open(deep / "config.json", "w"))
+    both({"method": "dflash", "model": str(deep)}, r"target layer ids \[7\] exceed the target's depth: it has 3 "
+         "layers")
+    spec = tmp_path / "spec_deep"
+    save(t, engine(t, paths["dflash"], "dflash").drafter.model, "dflash", str(spec), fmt="speculators")
+    raw = json.load(open(spec / "config.json"))
+    raw["aux_hidden_state_layer_ids"] = [1, 2, 9]
+    json.dump(raw, open(spec / "config.json", "w"))
+    both({"method": "dflash", "model": str(spec)}, r"target layer ids \[9\] exceed the target's depth: it has 3")
+
+
+# -- training ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tiny, tmp_path_factory):
+    from specloom.cli import main
+
+    t = tiny("llama")
+    root = tmp_path_factory.mktemp("train_block")
+    rng = random.Random(0)
+    prompts = root / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for _ in range(32):
+            words = " ".join(f"w{rng.randrange(4, 60)}" for _ in range(rng.randrange(4, 16)))
+            f.write(json.dumps({"turns": [words]}) + "\n")
+    data = str(root / "data")
+    assert main(["data", "--target", t.path, "--prompts", str(prompts), "--out", data, "--max-new-tokens", "16",
+                 "--batch-size", "16", "--dtype", "fp32"]) == 0
+    return t, data, root
+
+
+@pytest.mark.parametrize("kind,extra", [("dflash", ["--block-size", "4"]),
+                                        ("dspark", ["--block-size", "3", "--markov-rank", "8",
+                                                    "--markov-head", "gated"])])
+def test_train_block_drafter(dataset, kind, extra):
+    from specloom.cli import main
+
+    t, data, root = dataset
+    out = str(root / f"ckpt_{kind}")
+    assert main(["train", kind, "--target", t.path, "--data", data, "--out", out, "--steps", "30", "--lr", "3e-3",
+                 "--tokens-per-batch", "256", "--warmup", "2", "--save-every", "30", "--num-anchors", "8",
+                 "--draft-intermediate", "64", *extra]) == 0
+    hist = json.load(open(os.path.join(out, "history.json")))
+    first = sum(h["loss"] for h in hist[:5]) / 5
+    last = sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < first - 0.1, (first, last)
+    raw = json.load(open(os.path.join(out, "config.json")))
+    assert raw["specloom"]["kind"] == kind and raw["specloom"]["manifest"]["steps"] == 30
+    if kind == "dspark":
+        assert raw["dspark_block_size"] == 3 and raw["dspark_markov_head_type"] == "gated"
+    else:
+        assert raw["architectures"] == ["DFlashDraftModel"] and raw["num_hidden_layers"] == 1
+    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": kind, "model": out}))
+    for ids in ([5, 6, 7, 8, 9], [30, 31, 12, 40]):
+        a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
+        assert a.token_ids == plain(t, ids).token_ids[:20]
+        assert a.num_draft_tokens > 0
