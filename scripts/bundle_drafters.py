@@ -15,7 +15,8 @@ import shutil
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "specloom", "bundled")
 LIMIT = 60 * 2**20
-FILES = ("config.json", "model.safetensors", "medusa_lm_head.safetensors", "loss.png")
+FILES = ("config.json", "model.safetensors", "medusa_lm_head.safetensors", "model-mtp.safetensors",
+         "model-dspark.safetensors", "loss.png")
 
 
 def main() -> None:

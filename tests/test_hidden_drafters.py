@@ -196,14 +196,23 @@ def test_bundled_lookup_and_settings(drafters):
     t, paths = drafters
     with pytest.raises(SpecloomError, match="no bundled eagle3 drafter for this target"):
         Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "eagle3"}))
-    for method in ("eagle3", "eagle", "medusa"):
+    from types import SimpleNamespace
+
+    from specloom.drafters.block import _declares_dspark
+    from specloom.drafters.checkpoint import find_builtin_dir
+    from specloom.drafters.mtp_format import declares_mtp
+
+    builtin = {"mtp": declares_mtp, "dspark": _declares_dspark}  # found as built into the target (overlays)
+    for method in ("eagle3", "eagle", "medusa", "dflash", "mtp", "dspark"):
+        assert bundled_dirs(method), f"no bundled {method} drafter (package data missing?)"
         for d in bundled_dirs(method):  # every bundled drafter names its target and is found for it
             fp = json.load(open(os.path.join(d, "config.json")))["specloom"]["target_fingerprint"]
-            from types import SimpleNamespace
-
             cfg = SimpleNamespace(model_type=fp["architecture"], num_layers=fp["num_layers"],
-                                  hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"])
-            assert find_drafter_dir(None, method, cfg) == d
+                                  hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"], source_dir=None)
+            if method in builtin:
+                assert find_builtin_dir(method, cfg, builtin[method]) == d
+            else:
+                assert find_drafter_dir(None, method, cfg) == d
     for bad in ({"num_draft_tokens": 0}, {"num_draft_tokens": 1000}, {"tree_width": 0}):
         with pytest.raises(SpecloomError):
             SpeculativeConfig.parse({"method": "eagle3", **bad})
