@@ -23,6 +23,18 @@ def main() -> None:
               f"{r['speedup_aggregate']:.2f}× | {r['candidate_tokens_per_second']:.1f} ({r['baseline_tokens_per_second']:.1f}) | "
               f"{r['mean_accepted_length']:.2f} | {a} | {r['identical_outputs']}/{r['num_prompts']} | "
               f"{'-' if m is None else f'{m:.2f}'} |")
+    if all("draft_ms_per_step" in r for r in c.values()):
+        print("\nCosts: drafting time per verification step (its share of one plain decode step, same run) and the "
+              "drafter's memory (own weights as loaded, KV cache per 1000 tokens of context).\n")
+        print("| drafter | τ | acceptance per position α1…α5 | drafting ms/step (× target step) | speed-up (median / "
+              "aggregate) | weights MB | KV MB per 1k tokens |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in c.items():
+            a = " / ".join(f"{x:.2f}" for x in r["acceptance_per_position"][:5])
+            mem = r.get("drafter_memory_bytes", {})
+            print(f"| {name} | {r['mean_accepted_length']:.2f} | {a} | {r['draft_ms_per_step']:.1f} "
+                  f"({r['draft_fraction_of_target_step']:.2f}) | {r['speedup']:.2f}× / {r['speedup_aggregate']:.2f}× | "
+                  f"{mem.get('weights', 0) / 1e6:.1f} | {mem.get('kv_per_1k_tokens', 0) / 1e6:.2f} |")
     cats = sorted({k for r in c.values() for k in r["per_category"]})
     print("\nPer category: speed-up (τ)\n")
     print("| category | " + " | ".join(c) + " |")

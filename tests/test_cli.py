@@ -78,6 +78,7 @@ def test_bad_max_tokens(capsys, value):
         ("{not json", "not valid JSON"),
         ('["ngram"]', "must be a JSON object"),
         ('{"method": "mtp", "model": "/no/such/dir"}', "not a checkpoint directory"),
+        ('{"method": "dspark", "num_speculative_tokens": 7}', "block of 5 and drafts exactly 5 tokens"),
         ('{"method": "telepathy"}', "unknown speculative method"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens"),
         ('{"method": "ngram", "speculative_tokens": 3}', "unknown --speculative-config keys"),
