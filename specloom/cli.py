@@ -117,6 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (requests run one at a time for now)")
+    sv.add_argument("model")
+    sv.add_argument("--speculative-config", default=None, help="JSON, as for generate")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    sv.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    sv.add_argument("--max-num-seqs", type=_positive_int, default=8, help="largest n per request")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
@@ -201,6 +211,19 @@ def _train(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import uvicorn
+
+    from .engine import load
+    from .serving.api import Server, build_app
+
+    engine = load(args.model, args.speculative_config, dtype=args.dtype)
+    server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs)
+    print(f"specloom: serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -220,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
     try:
-        return {"generate": _generate, "bench": _bench, "plot": _plot, "data": _data, "train": _train}[args.command](args)
+        return {"generate": _generate, "bench": _bench, "plot": _plot, "data": _data, "train": _train,
+                "serve": _serve}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

@@ -163,7 +163,10 @@ class Engine:
         seed: int | None = None,
         stop: list[str] | None = None,
         ignore_eos: bool = False,
+        on_tokens=None,
     ) -> GenerationResult:
+        """`on_tokens(new_ids)`, if given, is called after every step with the tokens that step added (several
+        under speculation); returning False stops generation with finish_reason "abort" (a client went away)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpecloomError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -201,6 +204,7 @@ class Engine:
         emitted = [first]
         device = self.model.device
         while True:
+            n_before = len(out)
             for tok in emitted:  # EOS, stop strings and max_tokens cut inside a multi-token step
                 out.append(tok)
                 tokens.append(tok)
@@ -214,6 +218,8 @@ class Engine:
                 if len(out) >= max_tokens:
                     finish = "length"
                     break
+            if on_tokens is not None and len(out) > n_before and on_tokens(out[n_before:]) is False and not finish:
+                finish = "abort"
             if finish:
                 break
             # one speculative step: propose -> one target pass over the tree -> verify -> commit

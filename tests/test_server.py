@@ -1,0 +1,116 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over a real socket on 127.0.0.1:
+chat (streamed and not), completions, n / seed / stop / usage, errors with OpenAI bodies -- with speculation on
+(n-gram) and off. Streamed text == non-streamed text == plain greedy decoding."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[None, {"method": "ngram", "num_speculative_tokens": 4}], ids=["off", "ngram"])
+def server(request, smollm2):
+    from specloom import Engine
+    from specloom.serving.api import Server, build_app
+    from specloom.speculative import SpeculativeConfig
+
+    engine = Engine(smollm2.model, smollm2.tokenizer, SpeculativeConfig.parse(request.param))
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(build_app(Server(engine, "smollm2-135m", api_key="sk-test")),
+                                        host="127.0.0.1", port=port, log_level="warning"))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
+    yield client, engine, port
+    srv.should_exit = True
+    th.join(timeout=10)
+
+
+MSG = [{"role": "user", "content": "Name three colours, comma separated."}]
+
+
+def test_chat_streamed_equals_non_streamed_equals_plain(server):
+    client, engine, _ = server
+    r = client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=24, temperature=0)
+    text = r.choices[0].message.content
+    assert r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
+    plain = engine.generate(messages=MSG, max_tokens=24).text
+    assert text == plain
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=24,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_completions_n_seed_stop(server):
+    client, engine, _ = server
+    r = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                  temperature=0)
+    assert r.choices[0].text == engine.generate("The capital of France is", max_tokens=12).text
+    a = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=10,
+                                  temperature=0.9, seed=5, n=2)
+    b = client.completions.create(model="smollm2-135m", prompt="Once upon a time", max_tokens=10,
+                                  temperature=0.9, seed=5, n=2)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 2
+    full = r.choices[0].text
+    stop = full.strip().split()[1] if len(full.split()) > 1 else "zzz"
+    s = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=12,
+                                  temperature=0, stop=[stop])
+    assert stop not in s.choices[0].text and full.startswith(s.choices[0].text)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="smollm2-135m", prompt="The capital of France is", max_tokens=12, temperature=0, stop=[stop],
+        stream=True) if c.choices)
+    assert streamed == s.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs, status, needle", [
+    ({"model": "gpt-4"}, 404, "does not exist"),
+    ({"max_tokens": -3}, 400, "max_tokens"),
+    ({"max_tokens": 10 ** 9}, 400, "max_tokens"),
+    ({"temperature": 7}, 400, "temperature"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "context"),
+])
+def test_bad_requests_get_openai_errors(server, kwargs, status, needle):
+    client, _, _ = server
+    args = {"model": "smollm2-135m", "messages": MSG, "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.APIStatusError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.status_code == status and needle in str(e.value)
+    assert client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=2).choices  # still serving
+
+
+def test_auth_malformed_json_models_health(server):
+    _, _, port = server
+    import urllib.error
+    import urllib.request
+
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=b"{not json",
+                                 headers={"Authorization": "Bearer sk-test", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req)
+    assert e.value.code == 400 and "not valid JSON" in json.loads(e.value.read())["error"]["message"]
+    good = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
+    assert [m.id for m in good.models.list().data] == ["smollm2-135m"]
+    assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())["status"] == "ok"
