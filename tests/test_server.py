@@ -114,3 +114,31 @@ def test_auth_malformed_json_models_health(server):
     good = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
     assert [m.id for m in good.models.list().data] == ["smollm2-135m"]
     assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())["status"] == "ok"
+
+
+def test_metrics_count_requests_and_speculation(server):
+    client, engine, port = server
+    import urllib.request
+
+    def scrape():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        vals = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                vals[k] = float(v)
+        return vals
+
+    before = scrape()
+    r = client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=16, temperature=0)
+    after = scrape()
+    key = 'specloom:generation_tokens_total{model_name="smollm2-135m"}'
+    assert after[key] - before.get(key, 0) == r.usage.completion_tokens
+    lat = 'specloom:e2e_request_latency_seconds_count{model_name="smollm2-135m"}'
+    assert after[lat] - before.get(lat, 0) == 1
+    drafts = 'specloom:spec_decode_num_draft_tokens_total{model_name="smollm2-135m"}'
+    acc = 'specloom:spec_decode_num_accepted_tokens_total{model_name="smollm2-135m"}'
+    if engine.drafter is None:
+        assert after[drafts] == 0
+    else:
+        assert after[drafts] > before.get(drafts, 0) and after[acc] <= after[drafts]

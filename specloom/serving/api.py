@@ -3,12 +3,12 @@
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming
 with `stream_options.include_usage`, `n`, `stop`, `seed`, `temperature`, `top_p`, `max_tokens`). Errors use
 OpenAI's body `{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404; the API key (when set) is
-checked on every `/v1` route. Streaming runs the engine's per-step callback through the incremental detokenizer,
+checked on every `/v1` route. `/metrics`: Prometheus counters and latency histograms (serving/metrics.py). Streaming runs the engine's per-step callback through the incremental detokenizer,
 so deltas stay exact when a speculative step emits several tokens; stop strings are held back until they are
 decided. A client that disconnects stops its generation at the next step.
 
 Not yet (issue 6 continues): continuous batching (requests run one at a time, in arrival order, behind a lock),
-the memory budget and 429 admission, load-aware speculation, tool calling and structured output, /metrics.
+the memory budget and 429 admission, load-aware speculation, tool calling and structured output.
 """
 
 from __future__ import annotations
@@ -105,6 +105,9 @@ class Server:
         self.lock = threading.Lock()  # the engine runs one request at a time (continuous batching: later)
         self.max_n = max_num_seqs
         self.created = int(time.time())
+        from .metrics import Metrics
+
+        self.metrics = Metrics(model_name)
 
     # -- request parsing -------------------------------------------------------------------------------------
     def _common(self, body: dict) -> dict:
@@ -158,13 +161,23 @@ class Server:
     # -- generation ------------------------------------------------------------------------------------------
     def _generate(self, ids: list[int], o: dict, i: int, on_tokens=None):
         seed = None if o["seed"] is None else o["seed"] + i
+        t0 = time.perf_counter()
+        first: list[float] = []
+
+        def timed(new):
+            if not first:
+                first.append(time.perf_counter() - t0)
+            return True if on_tokens is None else on_tokens(new)
+
         try:
             with self.lock:
-                return self.engine.generate(prompt_token_ids=ids, max_tokens=o["max_tokens"],
-                                            temperature=o["temperature"], top_p=o["top_p"], seed=seed,
-                                            stop=o["stop"], on_tokens=on_tokens)
+                r = self.engine.generate(prompt_token_ids=ids, max_tokens=o["max_tokens"],
+                                         temperature=o["temperature"], top_p=o["top_p"], seed=seed,
+                                         stop=o["stop"], on_tokens=timed)
         except SpecloomError as e:
             raise APIError(400, str(e), "messages" if "prompt" in str(e) else None) from None
+        self.metrics.record(r, time.perf_counter() - t0, first[0] if first else None)
+        return r
 
     def complete(self, body: dict, chat: bool) -> dict:
         o = self._common(body)
@@ -280,6 +293,12 @@ def build_app(server: Server):
     @app.get("/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        from fastapi.responses import PlainTextResponse
+
+        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,89 @@
+"""Prometheus metrics for `/metrics`, with vLLM's names where one exists (`vllm:` -> `specloom:`).
+
+Counters: requests (by finish reason), prompt and generation tokens, speculative drafts, draft tokens, accepted
+tokens, accepted tokens per draft position (`position` label); histograms: end-to-end request latency and time to
+first token. Plain text exposition format 0.0.4, no client library needed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _Histogram:
+    def __init__(self, buckets=LATENCY_BUCKETS):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum = 0.0
+        self.n = 0
+
+    def observe(self, v: float) -> None:
+        self.sum += v
+        self.n += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        sep = "," if labels else ""
+        out = [f'{name}_bucket{{{labels}{sep}le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels}{sep}le="+Inf"}} {self.n}')
+        out.append(f"{name}_sum{{{labels}}} {self.sum}")
+        out.append(f"{name}_count{{{labels}}} {self.n}")
+        return out
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.lock = threading.Lock()
+        self.requests: dict[str, int] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.drafts = 0
+        self.draft_tokens = 0
+        self.accepted = 0
+        self.accepted_at: list[int] = []
+        self.latency = _Histogram()
+        self.ttft = _Histogram()
+
+    def record(self, result, seconds: float, ttft: float | None) -> None:
+        """One finished generation (an Engine GenerationResult)."""
+        with self.lock:
+            reason = result.finish_reason
+            self.requests[reason] = self.requests.get(reason, 0) + 1
+            self.prompt_tokens += len(result.prompt_token_ids)
+            self.generation_tokens += len(result.token_ids)
+            self.drafts += result.proposed_per_position[0] if result.proposed_per_position else 0
+            self.draft_tokens += result.num_draft_tokens
+            self.accepted += result.num_accepted_tokens
+            for i, a in enumerate(result.accepted_per_position):
+                while len(self.accepted_at) <= i:
+                    self.accepted_at.append(0)
+                self.accepted_at[i] += a
+            self.latency.observe(seconds)
+            if ttft is not None:
+                self.ttft.observe(ttft)
+
+    def render(self) -> str:
+        L = self.labels
+        with self.lock:
+            out = ["# TYPE specloom:request_success_total counter"]
+            out += [f'specloom:request_success_total{{{L},finished_reason="{r}"}} {n}' for r, n in
+                    sorted(self.requests.items())]
+            for name, v in (("prompt_tokens_total", self.prompt_tokens),
+                            ("generation_tokens_total", self.generation_tokens),
+                            ("spec_decode_num_drafts_total", self.drafts),
+                            ("spec_decode_num_draft_tokens_total", self.draft_tokens),
+                            ("spec_decode_num_accepted_tokens_total", self.accepted)):
+                out += [f"# TYPE specloom:{name} counter", f"specloom:{name}{{{L}}} {v}"]
+            out.append("# TYPE specloom:spec_decode_num_accepted_tokens_per_pos counter")
+            out += [f'specloom:spec_decode_num_accepted_tokens_per_pos{{{L},position="{i}"}} {a}'
+                    for i, a in enumerate(self.accepted_at)]
+            out.append("# TYPE specloom:e2e_request_latency_seconds histogram")
+            out += self.latency.lines("specloom:e2e_request_latency_seconds", L)
+            out.append("# TYPE specloom:time_to_first_token_seconds histogram")
+            out += self.ttft.lines("specloom:time_to_first_token_seconds", L)
+        return "\n".join(out) + "\n"
