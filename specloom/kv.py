@@ -86,6 +86,17 @@ class KVCache:
         self.length = length  # a length inside the pending block keeps its first entries
         self.pending = 0
 
+    def grown(self, max_len: int) -> "KVCache":
+        """A larger cache holding the same committed entries (a drafter whose context outgrew its cache)."""
+        L, B, H, _, d = self.k.shape
+        new = KVCache(L, H, d, max_len, self.k.dtype, self.k.device, B)
+        n = self.length
+        new.k[:, :, :, :n] = self.k[:, :, :, :n]
+        new.v[:, :, :, :n] = self.v[:, :, :, :n]
+        new.slot_pos[:, :n] = self.slot_pos[:, :n]
+        new.length = n
+        return new
+
     def reset(self) -> None:
         self.length = 0
         self.pending = 0

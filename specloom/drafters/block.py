@@ -129,11 +129,7 @@ class BlockDrafter(Drafter):
         if self.kv.length + m != n:
             raise RuntimeError(f"{self.method} drafter out of step: {self.kv.length} + {m} rows for root position {n}")
         if self.kv.max_len < n + 1:
-            old = self.kv
-            self.kv = self.model.new_kv(n + 4096)
-            self.kv.k[:, :, :, :old.length] = old.k[:, :, :, :old.length]
-            self.kv.v[:, :, :, :old.length] = old.v[:, :, :, :old.length]
-            self.kv.length = old.length
+            self.kv = self.kv.grown(n + 4096)
         if m:
             self.model.extend(self.kv, feats)
 

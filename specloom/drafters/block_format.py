@@ -24,7 +24,6 @@ Our metadata lives in the `specloom` block of `config.json`; inside a target's o
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -33,7 +32,7 @@ import torch
 from ..errors import SpecloomError
 from ..models.cpu_packing import pack_linears
 from .block_model import MARKOV_TYPES, BlockDraftConfig, BlockDraftModel
-from .checkpoint import check_safetensors, checkpoint_format, read_tensors, take
+from .checkpoint import add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take, weights_file
 
 SPECULATORS_VERSION = "0.3.0"
 DSPARK_FILE = "model-dspark.safetensors"
@@ -237,53 +236,15 @@ def to_builtin_name(name: str, num_layers: int) -> str:
     return last + name  # norm, markov_head.*, confidence_head.*: the head stack at the last stage
 
 
-def _builtin_tensors(path: str) -> tuple[dict, str]:
-    """The `mtp.*` tensors of a target directory or overlay (any of its safetensors files, index or not)."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                wm = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise SpecloomError(f"{index}: unreadable index ({e})") from None
-        files = sorted({os.path.join(path, v) for k, v in wm.items() if k.startswith("mtp.")} | set(files))
-    out = {}
-    for fn in files:
-        if not os.path.isfile(fn):
-            raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
-        check_safetensors(fn)
-        try:
-            with safe_open(fn, framework="pt") as f:
-                for k in f.keys():
-                    if k.startswith("mtp."):
-                        out[k] = f.get_tensor(k)
-        except SpecloomError:
-            raise
-        except Exception as e:
-            raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
-    return out, path
-
-
-def _weights_file(path: str) -> str:
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            return f
-    raise SpecloomError(f"{path}: no model.safetensors or pytorch_model.bin")
-
-
 def build_block(path: str, raw: dict, target, method: str) -> BlockDraftModel:
     cfg = block_config(path, raw, target.config, method)
     cfg.rope_scaling = target.config.rope_scaling if cfg.rope_theta == target.config.rope_theta else None
     exp = expected_shapes(cfg)
     if layout_of(raw) == "builtin":
-        tensors, where = _builtin_tensors(path)
-        state = {n: take(tensors, to_builtin_name(n, cfg.num_layers), s, where) for n, s in exp.items()}
+        tensors = read_prefixed(path, ("mtp.",))
+        state = {n: take(tensors, to_builtin_name(n, cfg.num_layers), s, path) for n, s in exp.items()}
     else:
-        wf = _weights_file(path)
+        wf = weights_file(path)
         tensors = read_tensors(wf)
         state = {n: take(tensors, n, s, wf) for n, s in exp.items()}
     with torch.device("meta"):
@@ -397,26 +358,8 @@ def save_overlay(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bflo
 def add_to_target_dir(model: BlockDraftModel, target_dir: str, meta: dict, dtype=torch.bfloat16) -> None:
     """Build a DSpark into a target's HF directory: its tensors go to `model-dspark.safetensors` (added to the
     weight index when there is one), its keys into the target's config.json."""
-    from safetensors.torch import save_file
-
-    cfg_path = os.path.join(target_dir, "config.json")
-    with open(cfg_path) as f:
-        raw = json.load(f)
-    sd = builtin_state(model, dtype)
-    save_file(sd, os.path.join(target_dir, DSPARK_FILE))
-    raw.update(builtin_keys(model.config))
-    raw["specloom_dspark"] = _meta(meta, model.config)
-    with open(cfg_path, "w") as f:
-        json.dump(raw, f, indent=1)
-    index = os.path.join(target_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            idx = json.load(f)
-        wm = {k: v for k, v in idx.get("weight_map", {}).items() if not k.startswith("mtp.")}
-        wm.update({k: DSPARK_FILE for k in sd})
-        idx["weight_map"] = wm
-        with open(index, "w") as f:
-            json.dump(idx, f, indent=1)
+    add_to_target_checkpoint(target_dir, DSPARK_FILE, builtin_state(model, dtype), builtin_keys(model.config),
+                             "specloom_dspark", _meta(meta, model.config), replace_prefix="mtp.")
 
 
 # -- registration ------------------------------------------------------------------------------------------------

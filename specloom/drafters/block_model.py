@@ -18,7 +18,7 @@ block j sees the context of its own sequence before its anchor plus its whole bl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -26,13 +26,13 @@ from torch import nn
 from ..config import RopeScaling
 from ..kv import KVCache
 from ..models.layers import RMSNorm, Rope, apply_rope
-from .eagle_model import DraftMLP
+from .eagle_model import DraftConfigDict, DraftMLP
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 
 
 @dataclass
-class BlockDraftConfig:
+class BlockDraftConfig(DraftConfigDict):
     hidden_size: int
     num_layers: int  # draft layers
     num_heads: int
@@ -62,20 +62,6 @@ class BlockDraftConfig:
     def first_slot(self) -> int:
         return 0 if self.anchor_predicts else 1
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["feature_ids"] = list(self.feature_ids)
-        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "BlockDraftConfig":
-        d = dict(d)
-        d["feature_ids"] = tuple(d["feature_ids"])
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def block_attention(q, kc, vc, kb, vb, ctx_mask, block_size: int, scale: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ Each drafter kind registers a format module (`@checkpoint_format("eagle3")`) wit
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -155,6 +156,70 @@ def read_tensors(path: str) -> dict[str, torch.Tensor]:
         return load_file(path)
     except Exception as e:
         raise SpecloomError(f"{path}: unreadable safetensors file ({e})") from None
+
+
+def weights_file(path: str) -> str:
+    """The weights file of a single-file drafter checkpoint directory."""
+    for name in ("model.safetensors", "pytorch_model.bin"):
+        f = os.path.join(path, name)
+        if os.path.isfile(f):
+            return f
+    raise SpecloomError(f"{path}: no model.safetensors or pytorch_model.bin")
+
+
+def read_prefixed(path: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with one of `prefixes`, from every safetensors file of a checkpoint directory
+    (the files named in its index, if any, and any others in it: drafters built into a target checkpoint add
+    their own file)."""
+    from safetensors import safe_open
+
+    files = set(glob.glob(os.path.join(path, "*.safetensors")))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                files |= {os.path.join(path, v) for v in json.load(f)["weight_map"].values()}
+        except (OSError, ValueError, KeyError) as e:
+            raise SpecloomError(f"{index}: unreadable index ({e})") from None
+    out = {}
+    for fn in sorted(files):
+        if not os.path.isfile(fn):
+            raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
+        check_safetensors(fn)
+        try:
+            with safe_open(fn, framework="pt") as f:
+                for k in f.keys():
+                    if k.startswith(prefixes):
+                        out[k] = f.get_tensor(k)
+        except Exception as e:  # safetensors raises its own error types on corrupt files
+            raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
+    return out
+
+
+def add_to_target_checkpoint(target_dir: str, file_name: str, tensors: dict, config_keys: dict, meta_key: str,
+                             meta: dict, replace_prefix: str | None = None) -> None:
+    """Build a drafter into a target's HF directory: its tensors in their own safetensors file, its keys (and our
+    metadata under `meta_key`) in the target's config.json, and the weight index updated when there is one
+    (entries starting with `replace_prefix`, a previous drafter of the same kind, are dropped first)."""
+    from safetensors.torch import save_file
+
+    cfg_path = os.path.join(target_dir, "config.json")
+    raw = _load_json(cfg_path)
+    save_file(tensors, os.path.join(target_dir, file_name))
+    raw.update(config_keys)
+    raw[meta_key] = meta
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f, indent=1)
+    index = os.path.join(target_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            idx = json.load(f)
+        wm = {k: v for k, v in idx.get("weight_map", {}).items()
+              if not (replace_prefix and k.startswith(replace_prefix))}
+        wm.update({k: file_name for k in tensors})
+        idx["weight_map"] = wm
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=1)
 
 
 def take(tensors: dict, name: str, shape: tuple, where: str) -> torch.Tensor:

@@ -106,18 +106,11 @@ class EagleDrafter(Drafter):
         pos = torch.arange(self.stable, n, device=dev)[None]
         self.kv.truncate(self.stable)
         if self.kv.max_len < n + self.num_nodes + self.depth + 64:
-            self._grow(n + 4096)
+            self.kv = self.kv.grown(n + 4096)
         h = self.model(self.model.input_hidden(feats, toks), toks, pos, self.kv)
         self.kv.commit()
         self.stable = n
         return h[:, -1]
-
-    def _grow(self, size: int) -> None:
-        old = self.kv
-        self.kv = self.model.new_kv(size)
-        self.kv.k[:, :, :, :old.length] = old.k[:, :, :, :old.length]
-        self.kv.v[:, :, :, :old.length] = old.v[:, :, :, :old.length]
-        self.kv.length = old.length
 
     def _row(self, h, tokens: list[int], depth: int, n: int, mask=None):
         """Append rows of draft depth `depth` (reading `tokens`, one per row of h) to the drafter KV."""

@@ -21,18 +21,10 @@ import torch
 
 from ..errors import SpecloomError
 from ..models.cpu_packing import pack_linears
-from .checkpoint import checkpoint_format, read_tensors, take
+from .checkpoint import checkpoint_format, read_tensors, take, weights_file
 from .eagle_model import EagleConfig, EagleDraftModel
 
 SPECULATORS_VERSION = "0.3.0"
-
-
-def _weights_file(path: str) -> str:
-    for name in ("model.safetensors", "pytorch_model.bin"):
-        f = os.path.join(path, name)
-        if os.path.isfile(f):
-            return f
-    raise SpecloomError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
 def _kind_of(raw: dict) -> str:
@@ -124,7 +116,7 @@ def build_eagle(path: str, raw: dict, target, eagle3: bool) -> EagleDraftModel:
     where = path
     cfg = _config(raw, eagle3, target, where)
     cfg.rope_scaling = target.config.rope_scaling if cfg.rope_theta == target.config.rope_theta else None
-    wf = _weights_file(path)
+    wf = weights_file(path)
     tensors = {k.replace("midlayer.", "layers.0."): v for k, v in read_tensors(wf).items()}
     state = {name: take(tensors, name, shape, wf) for name, shape in _expected(cfg).items()}
     if eagle3:

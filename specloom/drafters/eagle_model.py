@@ -27,8 +27,28 @@ from ..kv import KVCache
 from ..models.layers import RMSNorm, Rope, apply_rope
 
 
+class DraftConfigDict:
+    """JSON round trip for drafter config dataclasses (feature ids as a list, RoPE scaling as a dict; unknown keys
+    ignored on reading)."""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["feature_ids"] = list(self.feature_ids)
+        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = dict(d)
+        d["feature_ids"] = tuple(d["feature_ids"])
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
 @dataclass
-class EagleConfig:
+class EagleConfig(DraftConfigDict):
     eagle3: bool
     hidden_size: int
     num_heads: int
@@ -46,20 +66,6 @@ class EagleConfig:
     max_position: int = 8192
     extra: dict = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["feature_ids"] = list(self.feature_ids)
-        d["rope_scaling"] = asdict(self.rope_scaling) if self.rope_scaling else None
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EagleConfig":
-        d = dict(d)
-        d["feature_ids"] = tuple(d["feature_ids"])
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 class DraftMLP(nn.Module):

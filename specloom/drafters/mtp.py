@@ -117,7 +117,7 @@ class MTPDrafter(EagleDrafter):
             kv = self.kvs[i]
             kv.truncate(self.stables[i])
             if kv.max_len < n + self.num_nodes + self.depth + 64:
-                self.kvs[i] = kv = self._grown(kv, n + 4096)
+                self.kvs[i] = kv = kv.grown(n + 4096)
             if i > 0:
                 pend = self._pending[i]
                 h_in = out if pend is None else torch.cat([pend, out], 1)
@@ -137,13 +137,6 @@ class MTPDrafter(EagleDrafter):
             if i == 0:
                 h0 = out[:, -1]
         return h0
-
-    def _grown(self, old, size: int):
-        kv = self.mtp.new_kv(size)
-        kv.k[:, :, :, :old.length] = old.k[:, :, :, :old.length]
-        kv.v[:, :, :, :old.length] = old.v[:, :, :, :old.length]
-        kv.length = old.length
-        return kv
 
     # -- hooks for EagleDrafter's chain / tree ---------------------------------------------------------------
     def _kv(self, depth: int):

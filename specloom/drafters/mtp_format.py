@@ -14,14 +14,13 @@ specloom bundles MTP layers for a GGUF target. Our metadata sits under `specloom
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
 import torch
 
 from ..errors import SpecloomError
-from .checkpoint import check_safetensors, check_target, find_builtin_dir, _load_json, take
+from .checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
 from .mtp_model import MTPModel
 
 MTP_FILE = "model-mtp.safetensors"
@@ -48,37 +47,6 @@ def read_mtp_config(path: str, target_config) -> dict:
         if key in raw and int(raw[key]) != mine:
             raise SpecloomError(f"{path}: MTP layers for {key} {raw[key]}, but the target has {mine}")
     return raw
-
-
-def _tensor_files(path: str) -> list[str]:
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
-        extra = os.path.join(path, MTP_FILE)
-        return files + ([extra] if os.path.isfile(extra) and extra not in files else [])
-    return sorted(glob.glob(os.path.join(path, "*.safetensors")))
-
-
-def read_prefixed(path: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose names start with one of `prefixes`, from every safetensors file of a checkpoint dir."""
-    from safetensors import safe_open
-
-    out = {}
-    for fn in _tensor_files(path):
-        if not os.path.isfile(fn):
-            raise SpecloomError(f"{path}: shard {os.path.basename(fn)} named in the index is missing")
-        check_safetensors(fn)
-        try:
-            with safe_open(fn, framework="pt") as f:
-                for k in f.keys():
-                    if k.startswith(prefixes):
-                        out[k] = f.get_tensor(k)
-        except SpecloomError:
-            raise
-        except Exception as e:
-            raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
-    return out
 
 
 def _hf_names(model: MTPModel) -> dict[str, tuple[str, ...]]:
@@ -178,21 +146,6 @@ def save_overlay(model: MTPModel, path: str, meta: dict, dtype=torch.bfloat16) -
 def save_into_target(model: MTPModel, target_dir: str, meta: dict, dtype=torch.bfloat16) -> None:
     """Add the MTP layers to a target HF directory (DeepSeek layout): `model-mtp.safetensors`, config keys, and
     the weight index when the checkpoint is sharded."""
-    from safetensors.torch import save_file
-
-    cfg_path = os.path.join(target_dir, "config.json")
-    raw = _load_json(cfg_path)
-    L = int(raw["num_hidden_layers"])
-    tensors = mtp_tensors(model, L, dtype)
-    save_file(tensors, os.path.join(target_dir, MTP_FILE))
-    raw.update(_mtp_config_keys(model, L))
-    raw["specloom_mtp"] = meta
-    with open(cfg_path, "w") as f:
-        json.dump(raw, f, indent=1)
-    index = os.path.join(target_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            idx = json.load(f)
-        idx["weight_map"].update({k: MTP_FILE for k in tensors})
-        with open(index, "w") as f:
-            json.dump(idx, f, indent=1)
+    L = int(_load_json(os.path.join(target_dir, "config.json"))["num_hidden_layers"])
+    add_to_target_checkpoint(target_dir, MTP_FILE, mtp_tensors(model, L, dtype), _mtp_config_keys(model, L),
+                             "specloom_mtp", meta)

@@ -33,6 +33,12 @@ class Parsed:
     tool_calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # malformed tool-call blocks (kept as content)
 
+    def add(self, other: "Parsed") -> None:
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.tool_calls += other.tool_calls
+        self.errors += other.errors
+
 
 def _hold_back(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag` (it might become the tag)."""
@@ -88,8 +94,7 @@ class ReasoningParser:
                 ev.reasoning += text
             else:
                 ev.content += text
-        self.result.content += ev.content
-        self.result.reasoning += ev.reasoning
+        self.result.add(ev)
         return ev
 
     def finish(self) -> Parsed:
@@ -141,9 +146,7 @@ class HermesToolParser:
             ev.content += self.START + self.block
             self.block = ""
             self.split.inside = False
-        self.result.content += ev.content
-        self.result.tool_calls += ev.tool_calls
-        self.result.errors += ev.errors
+        self.result.add(ev)
         return ev
 
     def finish(self) -> Parsed:
@@ -184,9 +187,7 @@ class Llama3JsonToolParser:
                 ev.errors.append(f"malformed tool call: {body[:200]}")
                 ev.content = self.buf
             self.buf = ""
-        self.result.content += ev.content
-        self.result.tool_calls += ev.tool_calls
-        self.result.errors += ev.errors
+        self.result.add(ev)
         return ev
 
     def finish(self) -> Parsed:
