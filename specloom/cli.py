@@ -117,14 +117,27 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
 
-    sv = sub.add_parser("serve", help="OpenAI-compatible server (requests run one at a time for now)")
+    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and load-aware speculation")
     sv.add_argument("model")
     sv.add_argument("--speculative-config", default=None, help="JSON, as for generate")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     sv.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    sv.add_argument("--max-num-seqs", type=_positive_int, default=8, help="largest n per request")
+    sv.add_argument("--max-num-seqs", type=_positive_int, default=16,
+                    help="most sequences running at once (fewer when --memory-budget allows fewer)")
+    sv.add_argument("--memory-budget", default=None,
+                    help="memory for target weights + drafter weights + KV caches, e.g. 4GiB; the KV pool gets "
+                         "what the weights leave (default: room for --max-num-seqs sequences)")
+    sv.add_argument("--max-model-len", type=_positive_int, default=2048,
+                    help="longest prompt + completion per sequence (sizes each KV pool row)")
+    sv.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    sv.add_argument("--speculation", default=None, choices=["load_aware", "fixed", "off"],
+                    help="depth per step: from load and acceptance (default with a drafter), always "
+                         "num_speculative_tokens, or never")
+    sv.add_argument("--max-queue", type=int, default=None,
+                    help="requests that may wait for a free sequence slot before new ones get 429 "
+                         "(default: 4 x the pool's sequences)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
 
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
@@ -217,9 +230,21 @@ def _serve(args) -> int:
     from .engine import load
     from .serving.api import Server, build_app
 
-    engine = load(args.model, args.speculative_config, dtype=args.dtype)
-    server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs)
-    print(f"specloom: serving {server.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    from .loading import parse_dtype
+    from .serving.api import parse_size
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    budget = parse_size(args.memory_budget)  # checked before the model loads
+    engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
+    kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
+    server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
+                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype)
+    m = server.memory
+    mib = 2 ** 20
+    print(f"specloom: serving {server.model_name} on http://{args.host}:{args.port}/v1 -- {m['rows']} sequences of "
+          f"{m['row_tokens']} tokens; target weights {m['target_weights'] / mib:.0f} MiB, drafter weights "
+          f"{m['drafter_weights'] / mib:.0f} MiB, KV pool {server.scheduler.pool.nbytes / mib:.0f} MiB; speculation "
+          f"{server.scheduler.policy.mode}", file=sys.stderr, flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
     return 0
 

@@ -25,9 +25,10 @@ def server(request, smollm2):
     from specloom.serving.api import Server, build_app
     from specloom.speculative import SpeculativeConfig
 
-    engine = Engine(smollm2.model, smollm2.tokenizer, SpeculativeConfig.parse(request.param))
+    engine = Engine(smollm2.model, smollm2.tokenizer, SpeculativeConfig.parse(request.param), max_model_len=1024)
     port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(Server(engine, "smollm2-135m", api_key="sk-test")),
+    server = Server(engine, "smollm2-135m", api_key="sk-test", max_num_seqs=4, speculation="fixed")
+    srv = uvicorn.Server(uvicorn.Config(build_app(server),
                                         host="127.0.0.1", port=port, log_level="warning"))
     th = threading.Thread(target=srv.run, daemon=True)
     th.start()
@@ -39,6 +40,7 @@ def server(request, smollm2):
     yield client, engine, port
     srv.should_exit = True
     th.join(timeout=10)
+    server.close()
 
 
 MSG = [{"role": "user", "content": "Name three colours, comma separated."}]
@@ -87,7 +89,7 @@ def test_completions_n_seed_stop(server):
     ({"max_tokens": 10 ** 9}, 400, "max_tokens"),
     ({"temperature": 7}, 400, "temperature"),
     ({"messages": []}, 400, "messages"),
-    ({"messages": [{"role": "user", "content": "hi " * 9000}]}, 400, "context"),
+    ({"messages": [{"role": "user", "content": "hi " * 2000}]}, 400, "context"),
 ])
 def test_bad_requests_get_openai_errors(server, kwargs, status, needle):
     client, _, _ = server

@@ -14,6 +14,7 @@ reads; the engine captures them in every target pass. Drafter classes register u
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,21 @@ class Drafter:
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         raise NotImplementedError
+
+    def fork(self) -> "Drafter":
+        """A drafter for one more concurrent sequence (continuous batching): it shares this one's weights and
+        settings and owns fresh per-sequence state (caches are dropped; `prefill` builds them)."""
+        from ..kv import KVCache
+
+        new = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, KVCache):
+                setattr(new, name, None)
+            elif isinstance(value, list):  # per-sequence lists (feature queues, per-layer caches) must not alias
+                setattr(new, name, [None if isinstance(v, KVCache) else v for v in value])
+            elif isinstance(value, dict) and name.startswith("_"):
+                setattr(new, name, dict(value))
+        return new
 
     def on_verified(self, ctx: DraftContext, result, target_out) -> None:
         pass

@@ -78,6 +78,8 @@ class DecoderLM(nn.Module):
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dtype, self.device, batch)
 
     def _context(self, positions: torch.Tensor, kv: KVCache, attn_mask: torch.Tensor | None) -> AttentionContext:
+        if hasattr(kv, "attention_context"):  # a pass over rows of a KVPool (continuous batching, kv_pool.py)
+            return kv.attention_context(self, positions, attn_mask)
         B, T = positions.shape
         start = kv.reserve(T)
         S = start + T

@@ -1,21 +1,23 @@
-"""OpenAI-compatible HTTP API over one `Engine` (issue 6, first part).
+"""OpenAI-compatible HTTP API over one `Engine`, served by the continuous-batching scheduler (serving/batch.py).
 
 Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming
-with `stream_options.include_usage`, `n`, `stop`, `seed`, `temperature`, `top_p`, `max_tokens`). Errors use
-OpenAI's body `{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404; the API key (when set) is
-checked on every `/v1` route. `/metrics`: Prometheus counters and latency histograms (serving/metrics.py). Streaming runs the engine's per-step callback through the incremental detokenizer,
-so deltas stay exact when a speculative step emits several tokens; stop strings are held back until they are
-decided. A client that disconnects stops its generation at the next step.
+with `stream_options.include_usage`, `n`, `stop`, `seed`, `temperature`, `top_p`, `max_tokens`; `tools` /
+`tool_choice` and `response_format` through serving/tools.py and grammar.py). Errors use OpenAI's body
+`{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404 / 429; the API key (when set) is checked on
+every `/v1` route. `/metrics`: Prometheus counters, gauges and histograms (serving/metrics.py).
 
-Not yet (issue 6 continues): continuous batching (requests run one at a time, in arrival order, behind a lock),
-the memory budget and 429 admission, load-aware speculation, tool calling and structured output.
+Every choice of a request is one `Sequence` in the scheduler; the pool holds as many as the memory budget allows
+(`plan_memory`), a full queue answers 429. Streaming runs the scheduler's per-step callback through the
+incremental detokenizer (and the tool-call parser), so deltas stay exact when a speculative step emits several
+tokens; stop strings are held back until decided. A client that disconnects cancels its sequences: their pool
+rows are freed before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
+import logging
 import threading
 import time
 import uuid
@@ -24,6 +26,8 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (pos
 
 from ..errors import SpecloomError
 from .detokenize import IncrementalDetokenizer
+
+log = logging.getLogger("specloom.serve")
 
 
 class APIError(Exception):
@@ -97,17 +101,86 @@ class _StopHold:
         return out
 
 
+def parse_size(text: str | int | None) -> int | None:
+    """'4GiB', '512MB', '2g', '1500000000' -> bytes (None stays None)."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 2 ** 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 2 ** 20,
+             "g": 10 ** 9, "gb": 10 ** 9, "gib": 2 ** 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 2 ** 40}
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise SpecloomError(f"cannot read the memory size {text!r} (examples: 4GiB, 512MB, 2000000000)")
+    return int(value * units[unit])
+
+
+def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) -> dict:
+    """How many sequences fit: budget - target weights - drafter weights - activations, divided by one row's
+    target KV (max_model_len + tree slack) plus the drafter's own KV for that row. Without a budget: max_num_seqs
+    rows. Raises SpecloomError when not even one sequence fits."""
+    from ..drafters.base import module_bytes
+    from ..engine import TREE_SLACK
+    from ..kv_pool import KVPool
+
+    model, drafter = engine.model, engine.drafter
+    row_len = engine.max_model_len + TREE_SLACK
+    weights = module_bytes(model)
+    dmem = drafter.memory() if drafter else {"weights": 0, "kv_per_1k_tokens": 0}
+    target_row = KVPool.bytes_per_token(model, kv_dtype) * row_len
+    drafter_row = dmem["kv_per_1k_tokens"] * (row_len + 4096) // 1000  # drafters allocate context + 4096 rows
+    k = drafter.num_speculative_tokens if drafter else 0
+    widest = max(1, k * 4 + 1)  # padded tree width bound used for the activation estimate
+    per_row_act = widest * (model.config.vocab_size * 4 * 2 + model.config.hidden_size * 4 * 16)
+    plan = {"target_weights": weights, "drafter_weights": dmem["weights"], "target_kv_per_row": target_row,
+            "drafter_kv_per_row": drafter_row, "activations_per_row": per_row_act, "row_tokens": row_len,
+            "budget": budget}
+    if budget is None:
+        plan["rows"] = max_num_seqs
+    else:
+        free = budget - weights - dmem["weights"]
+        rows = min(max_num_seqs, free // (target_row + drafter_row + per_row_act)) if free > 0 else 0
+        if rows < 1:
+            mb = 2 ** 20
+            raise SpecloomError(
+                f"--memory-budget {budget / mb:.0f} MiB is too small: target weights {weights / mb:.0f} MiB + drafter "
+                f"weights {dmem['weights'] / mb:.0f} MiB + one sequence of {engine.max_model_len} tokens "
+                f"({(target_row + drafter_row + per_row_act) / mb:.0f} MiB of KV cache and activations) do not fit; "
+                "raise the budget or lower --max-model-len")
+        plan["rows"] = int(rows)
+    return plan
+
+
 class Server:
-    def __init__(self, engine, model_name: str, api_key: str | None = None, max_num_seqs: int = 8):
+    def __init__(self, engine, model_name: str, api_key: str | None = None, max_num_seqs: int = 16,
+                 memory_budget: int | str | None = None, speculation: str | None = None, cost=None,
+                 max_queue: int | None = None, kv_dtype=None):
+        from .batch import BatchScheduler
+        from .load_aware import batch_cost_cached
+        from .metrics import Metrics
+
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
-        self.lock = threading.Lock()  # the engine runs one request at a time (continuous batching: later)
-        self.max_n = max_num_seqs
         self.created = int(time.time())
-        from .metrics import Metrics
-
         self.metrics = Metrics(model_name)
+        self.memory = plan_memory(engine, max_num_seqs, parse_size(memory_budget), kv_dtype)
+        rows = self.memory["rows"]
+        mode = speculation or ("load_aware" if engine.drafter else "off")
+        if mode == "load_aware" and engine.drafter and cost is None:
+            cost = batch_cost_cached(engine.model, rows, log=lambda m: log.info(m))
+        self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step)
+        self.metrics.bind(self.scheduler)
+        self.max_n = rows
+        log.info("KV pool: %d sequences of %d tokens (%.0f MiB); speculation: %s", rows, self.memory["row_tokens"],
+                 self.scheduler.pool.nbytes / 2 ** 20, self.scheduler.policy.mode)
+
+    def close(self) -> None:
+        self.scheduler.close()
 
     # -- request parsing -------------------------------------------------------------------------------------
     def _common(self, body: dict) -> dict:
@@ -118,6 +191,8 @@ class Server:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise APIError(400, "stream_options must be an object", "stream_options")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise APIError(400, "logprobs are not supported by this server yet", "logprobs")
         mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return {
             "max_tokens": _int(body, mt_key, min(256, ctx - 1), 1, ctx),
@@ -130,13 +205,28 @@ class Server:
             "include_usage": bool(so.get("include_usage", False)),
         }
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _plan(self, body: dict, chat: bool):
+        """The request's tool / structured-output plan (serving/tools.py), or None."""
+        if not any(body.get(k) is not None for k in ("tools", "tool_choice", "response_format")):
+            return None
+        from .tools import ToolRequestError, plan_request
+
+        if not chat and body.get("tools") is not None:
+            raise APIError(400, "tools are only supported on /v1/chat/completions", "tools")
+        try:
+            return plan_request(body, self.engine.tokenizer)
+        except ToolRequestError as e:
+            raise APIError(400, e.message, e.param) from None
+
+    def _prompt_ids(self, body: dict, chat: bool, plan) -> list[int]:
         tok = self.engine.tokenizer
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
                 raise APIError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+            if plan is not None:
+                msgs = plan.messages
             clean = []
             for m in msgs:
                 c = m.get("content")
@@ -144,54 +234,94 @@ class Server:
                     c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
                 if c is not None and not isinstance(c, str):
                     raise APIError(400, "message content must be a string or a list of text parts", "messages")
-                clean.append({"role": m["role"], "content": c or ""})
+                clean.append({**{k: v for k, v in m.items() if k != "content"}, "content": c or ""})
             try:
+                if plan is not None and plan.template_kwargs:
+                    return tok.encode_chat(clean, **plan.template_kwargs)
                 return tok.encode_chat(clean)
             except SpecloomError as e:
                 raise APIError(400, str(e), "messages") from None
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1:
             p = p[0]
-        if isinstance(p, list) and p and all(isinstance(x, int) for x in p):
+        if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            vocab = self.engine.model.config.vocab_size
+            if min(p) < 0 or max(p) >= vocab:
+                raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
             return list(p)
         if not isinstance(p, str) or not p:
             raise APIError(400, "prompt must be a non-empty string (or a list of token ids)", "prompt")
         return tok.encode(p)
 
+    def _prepare(self, body: dict, chat: bool):
+        o = self._common(body)
+        plan = self._plan(body, chat)
+        ids = self._prompt_ids(body, chat, plan)
+        if len(ids) + o["max_tokens"] > self.engine.max_model_len:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {o['max_tokens']}: together "
+                                f"they exceed the model's context of {self.engine.max_model_len} tokens", "max_tokens")
+        return o, ids, plan
+
     # -- generation ------------------------------------------------------------------------------------------
-    def _generate(self, ids: list[int], o: dict, i: int, on_tokens=None):
-        seed = None if o["seed"] is None else o["seed"] + i
-        t0 = time.perf_counter()
-        first: list[float] = []
+    def _submit(self, ids: list[int], o: dict, plan, callbacks=None) -> list:
+        """Queue the request's n sequences (each its own seed: seed + i, and its own grammar state)."""
+        from ..sampling import SamplingParams
+        from .batch import QueueFull, Sequence
 
-        def timed(new):
-            if not first:
-                first.append(time.perf_counter() - t0)
-            return True if on_tokens is None else on_tokens(new)
+        seqs = []
+        for i in range(o["n"]):
+            constraint = None
+            if plan is not None and plan.grammar is not None:
+                from .grammar import compile_constraint
 
+                constraint = compile_constraint(plan.grammar, self.engine.tokenizer, self.engine.model.config.vocab_size)
+            params = SamplingParams(temperature=o["temperature"], top_p=o["top_p"],
+                                    seed=None if o["seed"] is None else o["seed"] + i)
+            seqs.append(Sequence(ids, o["max_tokens"], params, o["stop"], constraint=constraint,
+                                 on_tokens=callbacks[i] if callbacks else None))
         try:
-            with self.lock:
-                r = self.engine.generate(prompt_token_ids=ids, max_tokens=o["max_tokens"],
-                                         temperature=o["temperature"], top_p=o["top_p"], seed=seed,
-                                         stop=o["stop"], on_tokens=timed)
+            self.scheduler.submit(seqs)
+        except QueueFull as e:
+            raise APIError(429, str(e), None, "server_busy", "rate_limit_error") from None
         except SpecloomError as e:
-            raise APIError(400, str(e), "messages" if "prompt" in str(e) else None) from None
-        self.metrics.record(r, time.perf_counter() - t0, first[0] if first else None)
-        return r
+            raise APIError(400, str(e), "max_tokens") from None
+        return seqs
+
+    def _finished(self, seq) -> None:
+        r = seq.result
+        if r is not None:
+            ttft = None if seq.t_first is None else seq.t_first - seq.t_submit
+            self.metrics.record(r, time.perf_counter() - seq.t_submit, ttft)
+
+    def _message(self, plan, text: str, chat: bool) -> tuple[dict, bool]:
+        """(message or text fields, has tool calls) for a finished choice."""
+        if not chat:
+            return {"text": text}, False
+        if plan is not None and plan.parser is not None:
+            parsed = _new_parser(plan.parser).feed(text, final=True)
+            calls = [_tool_call_json(c, j) for j, c in enumerate(parsed.tool_calls)]
+            msg = {"role": "assistant", "content": parsed.content or None}
+            if calls:
+                msg["tool_calls"] = calls
+            else:
+                msg["content"] = parsed.content
+            return {"message": msg}, bool(calls)
+        return {"message": {"role": "assistant", "content": text}}, False
 
     def complete(self, body: dict, chat: bool) -> dict:
-        o = self._common(body)
-        ids = self._prompt_ids(body, chat)
+        o, ids, plan = self._prepare(body, chat)
+        seqs = self._submit(ids, o, plan)
         choices, completion = [], 0
-        for i in range(o["n"]):
-            r = self._generate(ids, o, i)
+        for i, seq in enumerate(seqs):
+            try:
+                r = seq.wait()
+            except SpecloomError as e:
+                raise APIError(400, str(e)) from None
+            self._finished(seq)
             completion += len(r.token_ids)
-            finish = "stop" if r.finish_reason in ("stop", "abort") else "length"
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": r.text},
-                                "finish_reason": finish, "logprobs": None})
-            else:
-                choices.append({"index": i, "text": r.text, "finish_reason": finish, "logprobs": None})
+            fields, called = self._message(plan, r.text, chat)
+            finish = "tool_calls" if called else ("length" if r.finish_reason == "length" else "stop")
+            choices.append({"index": i, **fields, "finish_reason": finish, "logprobs": None})
         return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object":
                 "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -199,78 +329,120 @@ class Server:
                           "total_tokens": len(ids) + completion}}
 
     async def stream(self, body: dict, chat: bool, is_disconnected):
-        """Yields SSE lines. Parsing and validation happen before the first byte (errors stay HTTP errors)."""
-        o = self._common(body)
-        ids = self._prompt_ids(body, chat)
-        if len(ids) + o["max_tokens"] > self.engine.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {o['max_tokens']}: together "
-                                f"they exceed the model's context of {self.engine.max_model_len} tokens", "max_tokens")
+        """Yields SSE lines. Parsing, validation and admission happen before the first byte (errors stay HTTP
+        errors, a full queue is a 429)."""
+        o, ids, plan = self._prepare(body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        n = o["n"]
+        detoks = [IncrementalDetokenizer(self.engine.tokenizer) for _ in range(n)]
+        holds = [_StopHold(o["stop"]) for _ in range(n)]
+        parsers = [_new_parser(plan.parser) if chat and plan is not None and plan.parser else None for _ in range(n)]
 
-        def chunk(i, text=None, finish=None, role=False):
+        def make_cb(i):
+            def on_tokens(new):
+                text = holds[i].push(detoks[i].push(new))
+                if text:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, "text", text))
+                return True
+            return on_tokens
+
+        seqs = self._submit(ids, o, plan, [make_cb(i) for i in range(n)])
+        for i, seq in enumerate(seqs):
+            def waiter(i=i, seq=seq):
+                seq.done.wait()
+                loop.call_soon_threadsafe(q.put_nowait, (i, "done", seq))
+            threading.Thread(target=waiter, daemon=True).start()
+
+        def chunk(i, text=None, finish=None, role=False, tool_calls=None):
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                if role:
+                    delta = {"role": "assistant", "content": ""}
+                elif tool_calls:
+                    delta = {"tool_calls": tool_calls}
+                else:
+                    delta = {"content": text} if text else {}
                 ch = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 ch = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "choices": [ch]}, ensure_ascii=False) + "\n\n"
 
+        def parsed_chunks(i, parsed, called):
+            out = []
+            if parsed.content:
+                out.append(chunk(i, text=parsed.content))
+            for c in parsed.tool_calls:
+                out.append(chunk(i, tool_calls=[_tool_call_json(c, called[i], stream=True)]))
+                called[i] += 1
+            return out
+
         async def gen():
-            completion = 0
-            for i in range(o["n"]):
-                q: queue.Queue = queue.Queue()
-                cancel = threading.Event()
-                detok = IncrementalDetokenizer(self.engine.tokenizer)
-                hold = _StopHold(o["stop"])
-
-                def on_tokens(new, detok=detok, hold=hold, q=q, cancel=cancel):
-                    text = hold.push(detok.push(new))
-                    if text:
-                        q.put(("text", text))
-                    return not cancel.is_set()
-
-                def work(i=i, q=q, on_tokens=on_tokens, detok=detok, hold=hold):
-                    try:
-                        r = self._generate(ids, o, i, on_tokens)
-                        tail = hold.push(detok.finish(), final=True)
-                        if tail:
-                            q.put(("text", tail))
-                        q.put(("done", r))
-                    except Exception as e:  # reported in-band: the HTTP status is already sent
-                        q.put(("error", e))
-
-                threading.Thread(target=work, daemon=True).start()
+            completion, left = 0, n
+            called = [0] * n
+            try:
                 if chat:
-                    yield chunk(i, role=True)
-                while True:
+                    for i in range(n):
+                        yield chunk(i, role=True)
+                while left:
                     try:
-                        kind, val = await asyncio.to_thread(q.get, True, 0.5)
-                    except queue.Empty:
+                        i, kind, val = await asyncio.wait_for(q.get(), 0.5)
+                    except asyncio.TimeoutError:
                         if await is_disconnected():
-                            cancel.set()
                             return
                         continue
                     if kind == "text":
-                        yield chunk(i, text=val)
-                    elif kind == "error":
-                        msg = val.message if isinstance(val, APIError) else str(val)
+                        if parsers[i] is not None:
+                            for line in parsed_chunks(i, parsers[i].feed(val), called):
+                                yield line
+                        else:
+                            yield chunk(i, text=val)
+                        continue
+                    left -= 1
+                    seq = val
+                    if seq.error is not None or seq.result is None:
+                        msg = str(seq.error) if seq.error is not None else "generation failed"
                         yield "data: " + json.dumps({"error": {"message": msg, "type": "server_error"}}) + "\n\n"
                         return
+                    self._finished(seq)
+                    tail = holds[i].push(detoks[i].finish(), final=True)
+                    if parsers[i] is not None:
+                        lines = parsed_chunks(i, parsers[i].feed(tail, final=True), called)
                     else:
-                        completion += len(val.token_ids)
-                        yield chunk(i, finish="length" if val.finish_reason == "length" else "stop")
-                        break
-            if o["include_usage"]:
-                yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                             "choices": [], "usage": {"prompt_tokens": len(ids),
-                                                                      "completion_tokens": completion,
-                                                                      "total_tokens": len(ids) + completion}}) + "\n\n"
-            yield "data: [DONE]\n\n"
+                        lines = [chunk(i, text=tail)] if tail else []
+                    for line in lines:
+                        yield line
+                    completion += len(seq.result.token_ids)
+                    r = seq.result
+                    yield chunk(i, finish="tool_calls" if called[i] else ("length" if r.finish_reason == "length"
+                                                                          else "stop"))
+                if o["include_usage"]:
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                                 "model": self.model_name, "choices": [],
+                                                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
+                                                           "total_tokens": len(ids) + completion}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (or we are done): stop and free whatever still runs
+                for seq in seqs:
+                    if not seq.done.is_set():
+                        seq.cancel()
 
         return gen()
+
+
+def _new_parser(name: str):
+    from .parsers import HermesToolParser, Llama3JsonToolParser
+
+    return {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}[name]()
+
+
+def _tool_call_json(call, index: int, stream: bool = False) -> dict:
+    d = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+         "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": index, **d} if stream else d
 
 
 def build_app(server: Server):

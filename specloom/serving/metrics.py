@@ -2,7 +2,10 @@
 
 Counters: requests (by finish reason), prompt and generation tokens, speculative drafts, draft tokens, accepted
 tokens, accepted tokens per draft position (`position` label); histograms: end-to-end request latency and time to
-first token. Plain text exposition format 0.0.4, no client library needed.
+first token; gauges from the scheduler: running and waiting requests, KV pool usage (rows and slots), the draft
+depth chosen at the last step; counters of scheduler steps, batch sizes and chosen depths (mean depth per step =
+spec_decode_depth_sum / scheduler_steps_total: how load-aware speculation reacts to load). Plain text exposition
+format 0.0.4, no client library needed.
 """
 
 from __future__ import annotations
@@ -48,6 +51,22 @@ class Metrics:
         self.accepted_at: list[int] = []
         self.latency = _Histogram()
         self.ttft = _Histogram()
+        self.scheduler = None
+        self.steps = 0
+        self.depth_sum = 0  # sum over steps of the mean chosen draft depth per sequence
+        self.batch_sum = 0
+        self.last_depths: list[int] = []
+
+    def bind(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def step(self, batch_size: int, depths: list[int]) -> None:
+        """One scheduler step: how many sequences ran and the draft depth chosen for each."""
+        with self.lock:
+            self.steps += 1
+            self.batch_sum += batch_size
+            self.depth_sum += sum(depths) / max(1, len(depths))
+            self.last_depths = list(depths)
 
     def record(self, result, seconds: float, ttft: float | None) -> None:
         """One finished generation (an Engine GenerationResult)."""
@@ -82,6 +101,19 @@ class Metrics:
             out.append("# TYPE specloom:spec_decode_num_accepted_tokens_per_pos counter")
             out += [f'specloom:spec_decode_num_accepted_tokens_per_pos{{{L},position="{i}"}} {a}'
                     for i, a in enumerate(self.accepted_at)]
+            sch = self.scheduler
+            if sch is not None:
+                pool = sch.pool
+                used = sum(pool.lengths[:pool.active]) / (pool.rows * pool.row_len)
+                for name, v in (("num_requests_running", sch.num_running), ("num_requests_waiting", sch.num_waiting),
+                                ("kv_cache_usage_perc", round(used, 6)),
+                                ("kv_cache_rows_used", pool.active), ("kv_cache_rows_total", pool.rows),
+                                ("spec_decode_depth_last_max", max(self.last_depths, default=0))):
+                    out += [f"# TYPE specloom:{name} gauge", f"specloom:{name}{{{L}}} {v}"]
+            for name, v in (("scheduler_steps_total", self.steps),
+                            ("scheduler_batch_size_sum", self.batch_sum),
+                            ("spec_decode_depth_sum", round(self.depth_sum, 6))):
+                out += [f"# TYPE specloom:{name} counter", f"specloom:{name}{{{L}}} {v}"]
             out.append("# TYPE specloom:e2e_request_latency_seconds histogram")
             out += self.latency.lines("specloom:e2e_request_latency_seconds", L)
             out.append("# TYPE specloom:time_to_first_token_seconds histogram")

@@ -1,0 +1,328 @@
+"""Continuous batching with speculation: one scheduler thread runs every active sequence through shared steps.
+
+Between steps, waiting requests are admitted (each into a free row of the KV pool, prefilled on its own) and
+finished or cancelled ones leave (their row is freed at once). Each step:
+
+    depth per sequence  <- DepthPolicy (off / fixed / load-aware: batch size + each sequence's acceptance)
+    tree per sequence   <- its own drafter (a fork sharing the weights) ; grammar-pruned when constrained
+    one target pass     <- all trees padded to the widest, ragged masks (kv_pool.py)
+    per sequence        <- grammar mask, exact verify with its own generator, commit its path, drafter update
+
+Each sequence keeps its own sampling parameters, seed and generator, so its output does not depend on what else
+runs beside it (greedy: token for token; sampling: the same distribution). Memory: the pool's rows are sized from
+the memory budget (target weights + drafter weights + per-row target and drafter KV); a request waits in the
+queue for a free row, and is refused (`QueueFull`, HTTP 429) when the queue is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters import DraftContext
+from ..engine import TREE_SLACK, GenerationResult, StopChecker, _Stats, mean_accepted_length
+from ..errors import SpecloomError
+from ..kv_pool import KVPool
+from ..models import ForwardOutput
+from ..sampling import SamplingParams, sample_token
+from ..tree import DraftTree
+from ..verify import verify
+from .load_aware import Acceptance, DepthPolicy
+
+log = logging.getLogger("specloom.serve")
+
+
+class QueueFull(SpecloomError):
+    pass
+
+
+@dataclass
+class Sequence:
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    constraint: object | None = None  # serving/grammar.py Constraint
+    on_tokens: object | None = None  # callback(new_ids) -> False to abort (runs on the scheduler thread)
+    # -- state (the scheduler's) --
+    row: int = -1
+    cancelled: bool = False
+    t_submit: float = 0.0
+    t_first: float | None = None  # when the first token was emitted (time to first token = t_first - t_submit)
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    def wait(self, timeout: float | None = None) -> GenerationResult:
+        self.done.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class _Run:
+    """A running sequence's decoding state (mirrors Engine.generate's loop variables)."""
+
+    def __init__(self, seq: Sequence, drafter, eos, stopper, acc: Acceptance, device):
+        self.seq, self.drafter, self.eos, self.stopper, self.acc = seq, drafter, eos, stopper, acc
+        self.generator = None if seq.params.greedy else seq.params.generator(device)
+        self.tokens = list(seq.ids)
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.text: str | None = None
+        self.ctx = DraftContext(self.tokens, len(seq.ids), seq.params, self.generator, 0)
+        self.stats = _Stats()
+        self.t0 = time.perf_counter()
+        self.t_prefill = 0.0
+        self.draft_s = 0.0
+
+    def emit(self, emitted: list[int]) -> None:
+        """Append a step's tokens; EOS, stop strings and max_tokens cut inside a multi-token step."""
+        n_before = len(self.out)
+        if self.seq.t_first is None:
+            self.seq.t_first = time.perf_counter()
+        for tok in emitted:
+            self.out.append(tok)
+            self.tokens.append(tok)
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+            text = self.stopper.check(self.out)
+            if text is not None:
+                self.finish, self.text = "stop", text
+                break
+            if len(self.out) >= self.seq.max_tokens:
+                self.finish = "length"
+                break
+        cb = self.seq.on_tokens
+        if cb is not None and len(self.out) > n_before and cb(self.out[n_before:]) is False and not self.finish:
+            self.finish = "abort"
+
+    def result(self, tokenizer) -> GenerationResult:
+        s = self.stats
+        return GenerationResult(
+            text=self.text if self.text is not None else tokenizer.decode(self.out), token_ids=self.out,
+            prompt_token_ids=list(self.seq.ids), finish_reason=self.finish, num_target_passes=s.passes,
+            mean_accepted_length=mean_accepted_length(len(self.out), s.passes), num_draft_tokens=s.drafted,
+            num_accepted_tokens=s.accepted, proposed_per_position=s.proposed_at, accepted_per_position=s.accepted_at,
+            prefill_seconds=self.t_prefill, total_seconds=time.perf_counter() - self.t0, draft_seconds=self.draft_s,
+        )
+
+
+class BatchScheduler:
+    def __init__(self, engine, rows: int, mode: str = "fixed", cost=None, max_queue: int | None = None,
+                 kv_dtype: torch.dtype | None = None, on_step=None):
+        self.engine = engine
+        self.model = engine.model
+        self.row_len = engine.max_model_len + TREE_SLACK
+        self.pool = KVPool(self.model, rows, self.row_len, kv_dtype)
+        k = engine.drafter.num_speculative_tokens if engine.drafter else 0
+        self.policy = DepthPolicy(mode if k else "off", k, cost)
+        self.max_queue = 4 * rows if max_queue is None else max_queue
+        spec = engine.speculative_config
+        self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
+        self.on_step = on_step  # callback(batch_size, depths) for metrics
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[_Run] = []  # running[i].seq.row == i
+        self.cv = threading.Condition()
+        self._closed = False
+        self.steps = 0
+        self._t1 = cost.base if cost is not None else None
+        self.thread = threading.Thread(target=self._loop, name="specloom-scheduler", daemon=True)
+        self.thread.start()
+
+    # -- public ----------------------------------------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences (all or none). Raises QueueFull when the queue has no room for them."""
+        for s in seqs:
+            if len(s.ids) + s.max_tokens > self.engine.max_model_len:
+                raise SpecloomError(
+                    f"the prompt has {len(s.ids)} tokens and max_tokens is {s.max_tokens}: together they exceed the "
+                    f"model's context of {self.engine.max_model_len} tokens")
+        with self.cv:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) + len(seqs) > self.max_queue + self.pool.free_rows:
+                raise QueueFull(
+                    f"the server is at capacity ({self.pool.rows} sequences running, {len(self.waiting)} waiting); "
+                    "retry later")
+            now = time.perf_counter()
+            for s in seqs:
+                s.t_submit = now
+            self.waiting.extend(seqs)
+            self.cv.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def close(self) -> None:
+        with self.cv:
+            self._closed = True
+            self.cv.notify()
+        self.thread.join(timeout=30)
+
+    # -- the loop --------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self._closed and not self.waiting and not self.running:
+                    self.cv.wait()
+                if self._closed:
+                    for s in list(self.waiting) + [r.seq for r in self.running]:
+                        s.error = QueueFull("the server shut down")
+                        s.done.set()
+                    return
+                admit = []
+                while self.waiting and self.pool.free_rows > len(admit):
+                    s = self.waiting.popleft()
+                    if s.cancelled:
+                        s.result = None
+                        s.error = SpecloomError("cancelled")
+                        s.done.set()
+                        continue
+                    admit.append(s)
+            for s in admit:
+                self._start(s)
+            self._retire()
+            if self.running:
+                try:
+                    self._step()
+                except Exception as e:  # a bug: fail the running sequences, keep serving
+                    log.exception("scheduler step failed")
+                    for r in list(self.running):
+                        r.seq.error = e
+                        r.finish = "error"
+                    self._retire()
+
+    @torch.inference_mode()
+    def _start(self, seq: Sequence) -> None:
+        eng = self.engine
+        eos = frozenset() if seq.ignore_eos else eng.tokenizer.eos_token_ids
+        drafter = eng.drafter.fork() if eng.drafter else None
+        run = _Run(seq, drafter, eos, StopChecker(eng.tokenizer, seq.stop), self.policy.new_acceptance(),
+                   self.model.device)
+        seq.row = self.pool.allocate()
+        self.running.append(run)
+        try:
+            capture = drafter.needs_hidden if drafter else ()
+            out, hidden = None, {c: [] for c in capture}
+            ids, dev, chunk = seq.ids, self.model.device, eng.prefill_chunk
+            for start in range(0, len(ids), chunk):
+                part = ids[start:start + chunk]
+                x = torch.tensor([part], device=dev)
+                pos = torch.arange(start, start + len(part), device=dev)[None]
+                out = self.model(x, pos, self.pool.batch([seq.row], [len(part)]), capture=capture, num_logits=1)
+                self.pool.commit(seq.row)
+                for c in hidden:
+                    hidden[c].append(out.hidden[c])
+            if capture:
+                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in hidden.items()})
+            logits = out.logits[0, -1]
+            if seq.constraint is not None:
+                logits = logits.clone()
+                seq.constraint.mask_row(logits)
+            first = sample_token(logits, seq.params, run.generator)
+            if drafter:
+                t = time.perf_counter()
+                drafter.prefill(run.ctx, out)
+                run.draft_s += time.perf_counter() - t
+            run.t_prefill = time.perf_counter() - run.t0
+            if seq.constraint is not None:
+                seq.constraint.advance([first])
+            run.emit([first])
+        except Exception as e:
+            seq.error = e
+            run.finish = "error"
+
+    def _retire(self) -> None:
+        """Finish and remove sequences that are done or cancelled; their pool rows are freed at once."""
+        i = 0
+        while i < len(self.running):
+            run = self.running[i]
+            if run.seq.cancelled and not run.finish:
+                run.finish = "abort"
+            if not run.finish:
+                i += 1
+                continue
+            seq = run.seq
+            if seq.error is None:
+                seq.result = run.result(self.engine.tokenizer)
+            moved = self.pool.release(seq.row)
+            last = self.running.pop()
+            if moved is not None:  # the last row moved into this one
+                last.seq.row = seq.row
+                self.running[seq.row] = last
+            seq.done.set()
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        runs = self.running
+        n = len(runs)
+        off = self.disable_by_batch_size is not None and n >= self.disable_by_batch_size  # vLLM's key
+        caps = [0 if off or not r.drafter else min(r.drafter.num_speculative_tokens, r.seq.max_tokens - len(r.out) - 1)
+                for r in runs]
+        ks = self.policy.choose([r.acc.alpha for r in runs], caps)
+        trees, draft_times = [], []
+        for r, k in zip(runs, ks):
+            r.ctx.k = k
+            t = time.perf_counter()
+            tree = r.drafter.propose(r.ctx) if k > 0 else DraftTree([r.tokens[-1]], [-1])
+            dt = time.perf_counter() - t
+            r.draft_s += dt
+            draft_times.append(dt)
+            if r.seq.constraint is not None and len(tree) > 1:
+                tree = r.seq.constraint.prune(tree)
+            trees.append(tree)
+        sizes = [len(t) for t in trees]
+        T = max(sizes)
+        dev = self.model.device
+        tokens = torch.zeros(n, T, dtype=torch.long)
+        positions = torch.zeros(n, T, dtype=torch.long)
+        mask = torch.eye(T, dtype=torch.bool).repeat(n, 1, 1) if T > 1 else None
+        for b, (r, tree) in enumerate(zip(runs, trees)):
+            s, base = sizes[b], self.pool.lengths[b]
+            tokens[b, :s] = torch.tensor(tree.tokens)
+            positions[b, :s] = torch.tensor(tree.positions(base))
+            positions[b, s:] = base
+            if mask is not None and s > 1:
+                mask[b, :s, :s] = tree.ancestor_mask()
+        capture = tuple(sorted({c for r in runs if r.drafter for c in r.drafter.needs_hidden}))
+        out = self.model(tokens.to(dev), positions.to(dev), self.pool.batch(range(n), sizes),
+                         attn_mask=None if mask is None else mask.to(dev), capture=capture)
+        self.steps += 1
+        for b, (r, tree) in enumerate(zip(runs, trees)):
+            s = sizes[b]
+            logits = out.logits[b, :s]
+            if r.seq.constraint is not None:
+                logits = logits.clone()
+                r.seq.constraint.mask(tree, logits)
+            res = verify(tree, logits, r.seq.params, r.generator)
+            self.pool.commit(b, res.path)
+            if r.drafter:
+                t = time.perf_counter()
+                sub = ForwardOutput(logits[None], {c: out.hidden[c][b:b + 1, :s] for c in r.drafter.needs_hidden})
+                r.drafter.on_verified(r.ctx, res, sub)
+                r.draft_s += time.perf_counter() - t
+            r.stats.record(tree, res)
+            self.policy.observe(r.acc, tree.max_depth, len(tree), res.num_accepted, draft_times[b], self._t1)
+            if r.seq.constraint is not None:
+                r.seq.constraint.advance(res.tokens)
+            r.emit(res.tokens)
+        if self.on_step is not None:
+            self.on_step(n, ks)
+        if self.steps % 200 == 0:
+            log.info("step %d: %d running, %d waiting, depth per sequence %s", self.steps, n, len(self.waiting), ks)

@@ -1,0 +1,194 @@
+"""Continuous batching with speculation (serving/batch.py, kv_pool.py): sequences that join and leave between
+steps, each with its own drafter state and ragged draft tree padded into one target pass, give exactly what each
+gives alone -- for every drafter kind, with everything accepted (self-draft) and nothing accepted (random
+drafters), on tiny fp32 targets; the sampling distribution is unchanged; cancelled sequences free their row at
+once; a full queue refuses; the load-aware policy lowers the depth as the batch grows."""
+
+import random
+import shutil
+import time
+
+import pytest
+import torch
+
+from specloom import Engine, SpecloomError
+from specloom.drafters.checkpoint import specloom_meta
+from specloom.drafters.mtp_format import save_into_target
+from specloom.sampling import SamplingParams
+from specloom.serving.batch import BatchScheduler, QueueFull, Sequence
+from specloom.serving.load_aware import Acceptance, BatchCost, DepthPolicy
+from specloom.speculative import SpeculativeConfig
+from test_block_drafters import make_block, save as save_block
+from test_hidden_drafters import make_eagle, make_medusa
+from test_mtp import random_mtp
+
+N = 23
+
+
+def _prompts(seed=0, count=7):
+    rng = random.Random(seed)
+    ps = [[rng.randrange(4, 256) for _ in range(rng.randrange(3, 40))] for _ in range(count)]
+    ps[0] = [5, 6, 7, 8] * 6  # repetitive: n-gram drafts get accepted
+    return ps
+
+
+def run_batched(engine, prompts, rows=3, mode="fixed", stagger=True, **kw):
+    """Submit the prompts (half at once, the rest while those run) to a scheduler with fewer rows than prompts,
+    so sequences queue, join mid-flight and leave; returns their results in order."""
+    sch = BatchScheduler(engine, rows=rows, mode=mode, **kw)
+    try:
+        seqs = [Sequence(p, N, SamplingParams(), ignore_eos=True) for p in prompts]
+        half = len(seqs) // 2
+        sch.submit(seqs[:half])
+        for s in seqs[half:]:
+            if stagger:
+                time.sleep(0.01)
+            sch.submit([s])
+        results = [s.wait(120) for s in seqs]
+        assert sch.pool.active == 0 and sch.num_running == 0  # every row came back
+        return results
+    finally:
+        sch.close()
+
+
+@pytest.fixture(scope="module")
+def kinds(tiny, tmp_path_factory):
+    """Specs for every drafter kind on the tiny llama target (random drafters: almost nothing accepted)."""
+    t = tiny("llama")
+    root = tmp_path_factory.mktemp("batch_drafters")
+    mtp_dir = str(root / "target_with_mtp")
+    shutil.copytree(t.path, mtp_dir)
+    save_into_target(random_mtp(t, 2), mtp_dir, specloom_meta("mtp", t.model, t.tokenizer, (3,)),
+                     dtype=torch.float32)
+    return t, mtp_dir, {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+        "self_draft": {"method": "draft_model", "model": t.path, "num_speculative_tokens": 4},
+        "draft_model_tree": {"method": "draft_model", "model": tiny("qwen3").path, "num_speculative_tokens": 3,
+                             "tree_width": 2},
+        "eagle_tree": {"method": "eagle", "model": make_eagle(t, str(root / "eagle"), False),
+                       "num_speculative_tokens": 4, "tree_width": 3, "num_draft_tokens": 9},
+        "eagle3": {"method": "eagle3", "model": make_eagle(t, str(root / "eagle3"), True, draft_vocab=200),
+                   "num_speculative_tokens": 3},
+        "medusa": {"method": "medusa", "model": make_medusa(t, str(root / "medusa"))},
+        "dflash": {"method": "dflash", "model": save_block(t, make_block(t, False, 5), "dflash", str(root / "df"))},
+        "dspark": {"method": "dspark", "model": save_block(t, make_block(t, True, 4, "vanilla", confidence=True),
+                                                          "dspark", str(root / "ds"))},
+    }
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self_draft", "draft_model_tree", "eagle_tree", "eagle3", "medusa",
+                                  "dflash", "dspark", "mtp"])
+def test_batched_identical_to_alone(kinds, kind):
+    t, mtp_dir, specs = kinds
+    if kind == "mtp":
+        import specloom
+
+        engine = specloom.load(mtp_dir, {"method": "mtp", "num_speculative_tokens": 3}, dtype="fp32", progress=False)
+        engine.model, engine.tokenizer = t.model, t.tokenizer  # the same target weights as the plain reference
+    else:
+        engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs[kind]), max_model_len=256)
+    prompts = _prompts()
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids
+            for p in prompts]
+    got = run_batched(engine, prompts)
+    assert [r.token_ids for r in got] == want
+    drafted = sum(r.num_draft_tokens for r in got)
+    assert drafted > 0, "the drafter never drafted inside the batch"
+    if kind == "self_draft":  # the target drafting for itself: every draft accepted
+        assert all(r.num_accepted_tokens == r.num_draft_tokens for r in got)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_batched_other_families_and_load_aware(tiny, family):
+    """Sliding-window layers (Gemma-3, window 8, contexts past it) and the load-aware mode keep outputs exact."""
+    t = tiny(family)
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 4}),
+                    max_model_len=256)
+    prompts = _prompts(seed=1)
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids
+            for p in prompts]
+    cost = BatchCost({(n, k): 1.0 + 0.02 * n * k for n in (1, 2, 4) for k in (1, 2, 3, 5)})
+    assert [r.token_ids for r in run_batched(engine, prompts, rows=4, mode="load_aware", cost=cost)] == want
+
+
+@pytest.mark.parametrize("kind", ["self_draft", "ngram", "eagle_tree", "dspark"])
+def test_batched_sampling_equals_alone_seed_for_seed(kinds, kind):
+    """Under sampling each sequence keeps its own generator and draws in the same order as alone, so a seeded
+    sequence gives the very same tokens batched as alone -- and the alone engine's distribution is tested against
+    plain sampling for every drafter kind (sampling_tv tests)."""
+    t, _, specs = kinds
+    ids = [5, 6, 7, 8, 5, 6, 7]
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs[kind]), max_model_len=64)
+    sch = BatchScheduler(engine, rows=6, mode="fixed", max_queue=1000)
+    try:
+        seqs = [Sequence(ids, 9, SamplingParams(temperature=1.0, top_k=3, seed=s), ignore_eos=True)
+                for s in range(60)]
+        sch.submit(seqs)
+        got = [s.wait(120) for s in seqs]
+    finally:
+        sch.close()
+    alone = [engine.generate(prompt_token_ids=ids, max_tokens=9, temperature=1.0, top_k=3, seed=s, ignore_eos=True)
+             for s in range(60)]
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+    assert sum(r.num_draft_tokens for r in got) > 0
+    assert len({tuple(r.token_ids) for r in got}) > 10  # really sampled
+
+
+def test_cancel_frees_row_and_queue_limit(tiny):
+    t = tiny("llama")
+    engine = Engine(t.model, t.tokenizer, max_model_len=512)
+    sch = BatchScheduler(engine, rows=1, mode="off", max_queue=1)
+    try:
+        long = Sequence([5, 6, 7], 400, SamplingParams(), ignore_eos=True)
+        sch.submit([long])
+        while long.t_first is None:
+            time.sleep(0.005)
+        queued = Sequence([9, 10], 5, SamplingParams(), ignore_eos=True)
+        sch.submit([queued])  # waits for the row
+        with pytest.raises(QueueFull, match="capacity"):
+            sch.submit([Sequence([9, 10], 5, SamplingParams(), ignore_eos=True)])
+        long.cancel()
+        r = long.wait(30)
+        assert r.finish_reason == "abort" and len(r.token_ids) < 400
+        assert queued.wait(30).finish_reason == "length"  # the freed row served the queued request
+        assert sch.pool.active == 0
+        with pytest.raises(SpecloomError, match="context"):
+            sch.submit([Sequence([5] * 500, 100, SamplingParams())])
+    finally:
+        sch.close()
+
+
+def test_load_aware_policy_depth_falls_with_load():
+    # c(n, T): flat while the pass is weight-bound, then linear in the number of tokens (CPU-like)
+    cost = BatchCost({(n, k): max(1.0, n * k / 6) for n in (1, 2, 4, 8, 16) for k in (1, 2, 3, 5, 9, 17)})
+    pol = DepthPolicy("load_aware", 4, cost)
+    pol.draft_cost = 0.02  # drafting one depth costs 2 % of a decode step
+    depths = [max(pol.choose([0.7] * n, [4] * n)) for n in (1, 2, 4, 8, 16)]
+    assert depths[0] == 4 and depths[-1] == 0 and depths == sorted(depths, reverse=True), depths
+    assert pol.choose([0.02], [4]) == [0]  # a request whose drafts are never accepted stops drafting
+    assert pol.choose([0.9, 0.05], [4, 4])[1] < pol.choose([0.9, 0.05], [4, 4])[0]
+    pol.draft_cost = 0.5  # an expensive drafter: shallower
+    assert max(pol.choose([0.7], [4])) < 4
+    assert DepthPolicy("off", 4).choose([0.9], [4]) == [0] and DepthPolicy("fixed", 4).choose([0.1], [2]) == [2]
+    acc = Acceptance(prior=0.5)
+    for _ in range(20):
+        acc.update(4, 4)
+    assert acc.alpha > 0.9
+
+
+def test_memory_budget_sizes_the_pool(tiny):
+    from specloom.serving.api import parse_size, plan_memory
+
+    t = tiny("llama")
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "draft_model", "model": t.path}),
+                    max_model_len=512)
+    big = plan_memory(engine, 8, None)
+    assert big["rows"] == 8
+    per_row = big["target_kv_per_row"] + big["drafter_kv_per_row"] + big["activations_per_row"]
+    fixed = big["target_weights"] + big["drafter_weights"]
+    assert plan_memory(engine, 8, fixed + 3 * per_row + 10)["rows"] == 3
+    with pytest.raises(SpecloomError, match="too small"):
+        plan_memory(engine, 8, fixed + per_row // 2)
+    assert parse_size("2GiB") == 2 ** 31 and parse_size("512MB") == 512 * 10 ** 6
+    with pytest.raises(SpecloomError, match="memory size"):
+        parse_size("lots")
