@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import sys
+import threading
 
 from .errors import SpecloomError
 
@@ -140,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: 4 x the pool's sequences)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
 
+    bs = sub.add_parser("bench-serve", help="throughput and latency vs concurrency through the server: speculation "
+                                            "off / fixed / load-aware, side by side in one run")
+    bs.add_argument("model")
+    bs.add_argument("--speculative-config", default=None)
+    bs.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1, 2, 4, 8, 16])
+    bs.add_argument("--modes", nargs="+", default=["off", "fixed", "load_aware"],
+                    choices=["off", "fixed", "load_aware"])
+    bs.add_argument("--prompts", required=True, help="JSONL prompts (Spec-Bench style)")
+    bs.add_argument("--max-tokens", type=_positive_int, default=64)
+    bs.add_argument("--requests-per-level", type=_positive_int, default=8, help="at least; 2 x concurrency if more")
+    bs.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    bs.add_argument("--max-model-len", type=_positive_int, default=1024)
+    bs.add_argument("--json", default=None, help="write the report here")
+    bs.add_argument("--plot", default=None, help="PNG: throughput, latency and speed-up vs concurrency")
+
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
@@ -238,14 +254,36 @@ def _serve(args) -> int:
     engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
     kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
     server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
-                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype)
+                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False)
     m = server.memory
     mib = 2 ** 20
     print(f"specloom: serving {server.model_name} on http://{args.host}:{args.port}/v1 -- {m['rows']} sequences of "
           f"{m['row_tokens']} tokens; target weights {m['target_weights'] / mib:.0f} MiB, drafter weights "
           f"{m['drafter_weights'] / mib:.0f} MiB, KV pool {server.scheduler.pool.nbytes / mib:.0f} MiB; speculation "
           f"{server.scheduler.policy.mode}", file=sys.stderr, flush=True)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+    # HTTP in a thread, the scheduler (all model work) in the main thread: see BatchScheduler's `start`.
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning"))
+    uv.install_signal_handlers = lambda: None  # signals stay with the main thread
+
+    def http():
+        uv.run()
+        server.scheduler.close()  # the HTTP server stopped (e.g. the port was taken): stop scheduling too
+
+    threading.Thread(target=http, daemon=True).start()
+    try:
+        server.scheduler.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        uv.should_exit = True
+    return 0
+
+
+def _bench_serve(args) -> int:
+    from .bench.serve_load import run_serve_bench
+
+    run_serve_bench(args.model, args.speculative_config, args.concurrency, args.modes, args.prompts,
+                    args.max_tokens, args.dtype, args.requests_per_level, args.max_model_len, args.json, args.plot)
     return 0
 
 
@@ -268,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
     try:
-        return {"generate": _generate, "bench": _bench, "plot": _plot, "data": _data, "train": _train,
+        return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve, "data": _data, "train": _train,
                 "serve": _serve}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)

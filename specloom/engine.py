@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,9 @@ from .speculative import SpeculativeConfig
 from .tokenizer import Tokenizer
 from .tree import DraftTree
 from .verify import VerifyResult, verify
+
+if TYPE_CHECKING:
+    from .serving.grammar import Constraint
 
 TREE_SLACK = 256  # KV slots beyond the sequence for the nodes of one draft tree
 
@@ -164,9 +168,14 @@ class Engine:
         stop: list[str] | None = None,
         ignore_eos: bool = False,
         on_tokens=None,
+        constraint: Constraint | None = None,
     ) -> GenerationResult:
         """`on_tokens(new_ids)`, if given, is called after every step with the tokens that step added (several
-        under speculation); returning False stops generation with finish_reason "abort" (a client went away)."""
+        under speculation); returning False stops generation with finish_reason "abort" (a client went away).
+
+        `constraint` (specloom.serving.grammar, one per request): grammar-constrained output, exact under
+        speculation -- drafts the grammar rejects are pruned, every tree row's logits are masked with the grammar
+        state after that row's path, and the state advances over emitted tokens only."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpecloomError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -192,7 +201,12 @@ class Engine:
         kv = self._kv_for(len(ids) + max_tokens + TREE_SLACK)
         target_out = self.prefill(ids, kv, capture)
         tokens = list(ids)  # the whole sequence; tokens[-1] is the root: chosen, not yet run by the target
-        first = sample_token(target_out.logits[0, -1], params, generator)
+        first_logits = target_out.logits[0, -1]
+        if constraint is not None:
+            constraint.mask_row(first_logits)
+        first = sample_token(first_logits, params, generator)
+        if constraint is not None:
+            constraint.advance([first])
         ctx = DraftContext(tokens, len(ids), params, generator, 0)
         t_draft = time.perf_counter()
         if drafter:
@@ -227,11 +241,17 @@ class Engine:
             t_draft = time.perf_counter()
             tree = drafter.propose(ctx) if ctx.k > 0 else DraftTree([tokens[-1]], [-1])
             draft_s += time.perf_counter() - t_draft
+            if constraint is not None:
+                tree = constraint.prune(tree)
             x = torch.tensor([tree.tokens], device=device)
             pos = torch.tensor([tree.positions(kv.length)], device=device)
             mask = None if tree.is_chain else tree.ancestor_mask(device)
             target_out = self.model(x, pos, kv, attn_mask=mask, capture=capture)
+            if constraint is not None:
+                constraint.mask(tree, target_out.logits[0])
             result = verify(tree, target_out.logits[0], params, generator)
+            if constraint is not None:
+                constraint.advance(result.tokens)
             kv.commit(result.path)
             if drafter:
                 t_draft = time.perf_counter()

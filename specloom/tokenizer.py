@@ -52,10 +52,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf(text, add_special_tokens=True)["input_ids"])
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """The chat template applied to `messages` with the generation prompt; `template_kwargs` (e.g.
+        `tools=[...]`) go to the template as they are."""
         if not self.has_chat_template:
             raise SpecloomError("this model has no chat template: use a raw prompt (drop --chat)")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)

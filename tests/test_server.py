@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven by the official `openai` client over a real socket on 127.0.0.1:
-chat (streamed and not), completions, n / seed / stop / usage, errors with OpenAI bodies -- with speculation on
-(n-gram) and off. Streamed text == non-streamed text == plain greedy decoding."""
+chat (streamed and not), completions, n / seed / stop / usage, forced tool calls and JSON-schema output, errors
+with OpenAI bodies -- with speculation on (the bundled EAGLE-3 tree) and off. Streamed text == non-streamed text
+== plain greedy decoding."""
 
 import json
 import socket
@@ -19,7 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=[None, {"method": "ngram", "num_speculative_tokens": 4}], ids=["off", "ngram"])
+@pytest.fixture(scope="module", params=[None, {"method": "eagle3"}], ids=["off", "eagle3"])
 def server(request, smollm2):
     from specloom import Engine
     from specloom.serving.api import Server, build_app
@@ -144,3 +145,63 @@ def test_metrics_count_requests_and_speculation(server):
         assert after[drafts] == 0
     else:
         assert after[drafts] > before.get(drafts, 0) and after[acc] <= after[drafts]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_call(server, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    client, _, _ = server
+    args = dict(model="smollm2-135m", messages=ASK, max_tokens=60, temperature=0, tools=[WEATHER],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        calls, finish = {}, None
+        for ch in client.chat.completions.create(**args, stream=True):
+            if not ch.choices:
+                continue
+            for tc in ch.choices[0].delta.tool_calls or []:
+                c = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+            finish = ch.choices[0].finish_reason or finish
+        calls = list(calls.values())
+    else:
+        r = client.chat.completions.create(**args)
+        finish = r.choices[0].finish_reason
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in r.choices[0].message.tool_calls]
+    assert finish == "tool_calls" and len(calls) == 1 and calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_response_format_json_schema(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    client, _, _ = server
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "colors": {"type": "array", "items": {"type": "string"},
+                                                          "maxItems": 3}},
+              "required": ["name", "age", "colors"]}
+    r = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": "Describe a person as JSON."}], max_tokens=80,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+      "tool_choice": "required"}, "f"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_bad_tool_requests(server, kwargs, needle):
+    client, _, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=4, **kwargs)
+    assert needle in str(e.value)

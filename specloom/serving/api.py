@@ -158,7 +158,7 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
 class Server:
     def __init__(self, engine, model_name: str, api_key: str | None = None, max_num_seqs: int = 16,
                  memory_budget: int | str | None = None, speculation: str | None = None, cost=None,
-                 max_queue: int | None = None, kv_dtype=None):
+                 max_queue: int | None = None, kv_dtype=None, start: bool = True):
         from .batch import BatchScheduler
         from .load_aware import batch_cost_cached
         from .metrics import Metrics
@@ -173,7 +173,8 @@ class Server:
         mode = speculation or ("load_aware" if engine.drafter else "off")
         if mode == "load_aware" and engine.drafter and cost is None:
             cost = batch_cost_cached(engine.model, rows, log=lambda m: log.info(m))
-        self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step)
+        self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step,
+                                        start=start)
         self.metrics.bind(self.scheduler)
         self.max_n = rows
         log.info("KV pool: %d sequences of %d tokens (%.0f MiB); speculation: %s", rows, self.memory["row_tokens"],
