@@ -85,6 +85,12 @@ def test_batch_invariance_16_concurrent(live):
     mean_batch = (server.metrics.batch_sum - batch0) / (server.metrics.steps - steps0)
     assert mean_batch > 4, f"requests did not run together (mean batch {mean_batch:.1f})"
     assert server.metrics.draft_tokens > 0
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "spec_decode_depth_sum",
+                 "scheduler_batch_size_sum", "spec_decode_num_accepted_tokens_per_pos"):
+        assert f"specloom:{name}" in text
 
 
 def test_64_streams_with_disconnects(live):

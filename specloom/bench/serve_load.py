@@ -13,6 +13,7 @@ order) so that machine drift hits all modes alike. Greedy decoding, so every mod
 from __future__ import annotations
 
 import json
+import random
 import socket
 import statistics
 import threading
@@ -84,7 +85,10 @@ def _level(live, model, prompts, c, max_tokens):
                 if not jobs:
                     return
                 i, p = jobs.pop(0)
-            r = _one(client, model, p, max_tokens)
+            try:
+                r = _one(client, model, p, max_tokens)
+            except Exception as e:  # reported by the level
+                r = e
             with lock:
                 out[i] = r
 
@@ -96,6 +100,9 @@ def _level(live, model, prompts, c, max_tokens):
         t.join()
     wall = time.perf_counter() - t0
     rs = [out[i] for i in range(len(prompts))]
+    bad = [r for r in rs if isinstance(r, Exception)]
+    if bad:
+        raise SpecloomError(f"{len(bad)} of {len(rs)} requests failed; the first: {bad[0]}")
     tokens = sum(r["tokens"] for r in rs)
     steps = m.steps - steps0
     return {
@@ -119,7 +126,12 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
     from .harness import read_prompts
 
     prompts = [r["text"] for r in read_prompts(prompts_path)]
+    random.Random(0).shuffle(prompts)  # every level gets a mix of categories (Spec-Bench files are sorted by one)
     engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len)
+    fits = [p for p in prompts if len(engine.encode(p, chat=True)) + max_tokens <= max_model_len]
+    print(f"{len(fits)} of {len(prompts)} prompts fit --max-model-len {max_model_len} with {max_tokens} new tokens",
+          flush=True)
+    prompts = fits
     if engine.drafter is None and set(modes) - {"off"}:
         raise SpecloomError("modes fixed and load_aware need --speculative-config")
     rows = max(concurrency)
@@ -205,12 +217,14 @@ def plot_serve(report: dict, out: str) -> None:
         raise SpecloomError("plotting needs matplotlib: pip install matplotlib") from None
     cs = [int(c) for c in report["levels"]]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    colors = {"off": "tab:blue", "fixed": "tab:orange", "load_aware": "tab:green"}
     for m in report["modes"]:
         rows = [report["levels"][str(c)][m] for c in cs]
-        axes[0].plot(cs, [r["tokens_per_second"] for r in rows], marker="o", label=m)
-        axes[1].plot(cs, [r["latency_mean"] for r in rows], marker="o", label=m)
-        if m != "off":
-            axes[2].plot(cs, [r["speedup_vs_off"] for r in rows], marker="o", label=m)
+        style = {"marker": "o", "label": m, "color": colors.get(m)}
+        axes[0].plot(cs, [r["tokens_per_second"] for r in rows], **style)
+        axes[1].plot(cs, [r["latency_mean"] for r in rows], **style)
+        if m != "off" and rows[0].get("speedup_vs_off"):
+            axes[2].plot(cs, [r["speedup_vs_off"] for r in rows], **style)
     axes[2].axhline(1.0, color="grey", lw=0.8)
     axes[2].axhline(0.95, color="grey", lw=0.8, ls=":")
     for ax, title in zip(axes, ("throughput (tokens/s)", "mean request latency (s)", "throughput vs off (x)")):
