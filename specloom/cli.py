@@ -249,7 +249,7 @@ def _serve(args) -> int:
     from .loading import parse_dtype
     from .serving.api import parse_size
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("specloom.serve").setLevel(logging.INFO)  # admission, pool size, load-aware depth changes
     budget = parse_size(args.memory_budget)  # checked before the model loads
     engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
     kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
@@ -270,6 +270,10 @@ def _serve(args) -> int:
         server.scheduler.close()  # the HTTP server stopped (e.g. the port was taken): stop scheduling too
 
     threading.Thread(target=http, daemon=True).start()
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a service manager's stop: leave the loop, exit
+        signal.signal(sig, signal.default_int_handler)
     try:
         server.scheduler.run()
     except KeyboardInterrupt:

@@ -125,3 +125,13 @@ def test_generate_json_plain_greedy():
     assert d["num_target_passes"] == len(d["token_ids"]) <= 12
     assert d["mean_accepted_length"] == 1.0
     assert d["tokens_per_second"] > 0
+
+
+def test_serve_bad_memory_budget(capsys):
+    rc, _, err = run_in_process(capsys, "serve", "smollm2-135m", "--memory-budget", "lots")
+    assert_clean_error(rc, err, "memory size 'lots'")
+
+
+def test_serve_budget_too_small():
+    rc, _, err = run_cli("serve", "smollm2-135m", "--memory-budget", "200MiB", "--port", "1")
+    assert_clean_error(rc, err, "too small", "target weights")

@@ -158,3 +158,17 @@ def test_full_queue_is_429(live):
         sch.max_queue = saved[0]
     assert issubclass(QueueFull, Exception)
     assert _chat(_client(port), "hi", 4)
+
+
+def test_non_streamed_disconnect_cancels(live):
+    server, port, _ = live
+    sch = server.scheduler
+    impatient = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=1.0)
+    t0 = time.time()
+    with pytest.raises(openai.APITimeoutError):
+        impatient.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": "Tell a story."}],
+                                          max_tokens=440, temperature=0)
+    while sch.num_running and time.time() - t0 < 8:
+        time.sleep(0.05)
+    assert sch.num_running == 0 and sch.pool.active == 0  # freed long before 440 tokens could be written
+    assert _chat(_client(port), PROMPTS[0], 4)

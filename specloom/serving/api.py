@@ -309,9 +309,15 @@ class Server:
             return {"message": msg}, bool(calls)
         return {"message": {"role": "assistant", "content": text}}, False
 
-    def complete(self, body: dict, chat: bool) -> dict:
+    def complete(self, body: dict, chat: bool, gone: threading.Event | None = None) -> dict:
+        """A non-streamed response. `gone` set (the client disconnected): cancel the request's sequences."""
         o, ids, plan = self._prepare(body, chat)
         seqs = self._submit(ids, o, plan)
+        while gone is not None and not all(s.done.wait(0.2) for s in seqs):
+            if gone.is_set():
+                for s in seqs:
+                    s.cancel()
+                raise APIError(499, "the client closed the request", None, "client_closed")
         choices, completion = [], 0
         for i, seq in enumerate(seqs):
             try:
@@ -455,13 +461,12 @@ def build_app(server: Server):
     def error(e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        if server.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {server.api_key}":
-                return error(APIError(401, "Incorrect API key provided", None, "invalid_api_key",
-                                      "authentication_error"))
-        return await call_next(request)
+    def denied(request: Request):
+        """The 401 response when an API key is set and the request does not carry it (checked in each /v1 handler:
+        an HTTP middleware would wrap `receive` and hide client disconnects from the handlers)."""
+        if server.api_key and request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+            return error(APIError(401, "Incorrect API key provided", None, "invalid_api_key", "authentication_error"))
+        return None
 
     @app.get("/health")
     async def health():
@@ -474,11 +479,15 @@ def build_app(server: Server):
         return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        if (resp := denied(request)) is not None:
+            return resp
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "specloom"}]}
 
     async def handle(request: Request, chat: bool):
+        if (resp := denied(request)) is not None:
+            return resp
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -489,7 +498,13 @@ def build_app(server: Server):
             if body.get("stream"):
                 gen = await server.stream(body, chat, request.is_disconnected)
                 return StreamingResponse(gen, media_type="text/event-stream")
-            return JSONResponse(await asyncio.to_thread(server.complete, body, chat))
+            gone = threading.Event()
+            task = asyncio.ensure_future(asyncio.to_thread(server.complete, body, chat, gone))
+            while not task.done():  # watch for the client going away while the sequences run
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    gone.set()
+            return JSONResponse(task.result())
         except APIError as e:
             return error(e)
 

@@ -139,7 +139,7 @@ class BatchScheduler:
         self.cv = threading.Condition()
         self._closed = False
         self.steps = 0
-        self._last_top = -1
+        self._last_top, self._last_log = -1, 0.0
         self._t1 = cost.base if cost is not None else None
         self.thread = None
         if start:
@@ -333,8 +333,9 @@ class BatchScheduler:
         if self.on_step is not None:
             self.on_step(n, ks)
         top = max(ks)
-        if top != self._last_top:  # load-aware speculation, visible in the log as it reacts
+        now = time.monotonic()
+        if top != self._last_top and now - self._last_log >= 1.0:  # load-aware depth in the log (at most 1/s)
             log.info("%s speculation: %d running -> draft depth %d (per sequence %s)", self.policy.mode, n, top, ks)
-            self._last_top = top
+            self._last_top, self._last_log = top, now
         if self.steps % 200 == 0:
             log.info("step %d: %d running, %d waiting, depth per sequence %s", self.steps, n, len(self.waiting), ks)
