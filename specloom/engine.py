@@ -61,6 +61,7 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     total_seconds: float = 0.0
     draft_seconds: float = 0.0  # time in the drafter (prefill, propose, on_verified), part of total_seconds
+    logprobs: list | None = None  # serving: per token (logprob, [(alternative id, logprob), ...]) when asked
 
     @property
     def acceptance_per_position(self) -> list[float]:

@@ -205,3 +205,34 @@ def test_bad_tool_requests(server, kwargs, needle):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="smollm2-135m", messages=ASK, max_tokens=4, **kwargs)
     assert needle in str(e.value)
+
+
+def test_logprobs_are_the_targets_own(server):
+    """logprobs (chat: content + top_logprobs; completions: token_logprobs) equal the target's log-softmax at each
+    position, computed here with one plain forward pass -- with speculation on as off."""
+    import torch
+
+    client, engine, _ = server
+    r = client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=12, temperature=0,
+                                       logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    ids = engine.tokenizer.encode_chat(MSG)
+    out = engine.generate(messages=MSG, max_tokens=12).token_ids
+    full = torch.tensor([ids + out])
+    with torch.no_grad():
+        logits = engine.model(full, torch.arange(full.shape[1])[None], engine.model.new_kv(full.shape[1])).logits[0]
+    ref = torch.log_softmax(logits[len(ids) - 1:-1], -1)
+    for i, c in enumerate(content):
+        assert abs(c.logprob - float(ref[i, out[i]])) < 1e-3
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token  # greedy: the chosen is the top
+    comp = client.completions.create(model="smollm2-135m", prompt="The capital of France is", max_tokens=6,
+                                     temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == len(lp.top_logprobs) and all(len(t) == 3 for t in lp.top_logprobs)
+    streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
+        model="smollm2-135m", messages=MSG, max_tokens=12, temperature=0, logprobs=True, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [e.logprob for x in streamed for e in x.content] == pytest.approx([c.logprob for c in content], abs=1e-4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=2, top_logprobs=3)

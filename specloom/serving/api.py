@@ -192,8 +192,6 @@ class Server:
         so = body.get("stream_options") or {}
         if not isinstance(so, dict):
             raise APIError(400, "stream_options must be an object", "stream_options")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise APIError(400, "logprobs are not supported by this server yet", "logprobs")
         mt_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return {
             "max_tokens": _int(body, mt_key, min(256, ctx - 1), 1, ctx),
@@ -204,6 +202,7 @@ class Server:
             "stop": _stop(body),
             "stream": bool(body.get("stream", False)),
             "include_usage": bool(so.get("include_usage", False)),
+            "logprobs": _logprobs_setting(body),
         }
 
     def _plan(self, body: dict, chat: bool):
@@ -279,7 +278,7 @@ class Server:
             params = SamplingParams(temperature=o["temperature"], top_p=o["top_p"],
                                     seed=None if o["seed"] is None else o["seed"] + i)
             seqs.append(Sequence(ids, o["max_tokens"], params, o["stop"], constraint=constraint,
-                                 on_tokens=callbacks[i] if callbacks else None))
+                                 on_tokens=callbacks[i] if callbacks else None, logprobs=o["logprobs"]))
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:
@@ -287,6 +286,30 @@ class Server:
         except SpecloomError as e:
             raise APIError(400, str(e), "max_tokens") from None
         return seqs
+
+    def _logprobs_json(self, chat: bool, token_ids: list[int], lps: list) -> dict:
+        """OpenAI's logprobs object for these tokens: chat {content: [{token, logprob, bytes, top_logprobs}]},
+        completions {tokens, token_logprobs, top_logprobs, text_offset}. Logprobs are the target's own log-softmax
+        (after a grammar mask, if any) at the position each token was chosen -- the same with or without
+        speculation."""
+        tok = self.engine.tokenizer
+        if token_ids and token_ids[-1] in tok.eos_token_ids:  # the end-of-turn token is not part of the text
+            token_ids, lps = token_ids[:-1], lps[:len(token_ids) - 1]
+
+        def s(t):
+            return tok.decode([t], skip_special_tokens=False)
+
+        if chat:
+            return {"content": [{"token": s(t), "logprob": lp, "bytes": list(s(t).encode()),
+                                 "top_logprobs": [{"token": s(a), "logprob": alp, "bytes": list(s(a).encode())}
+                                                  for a, alp in alts]} for t, (lp, alts) in zip(token_ids, lps)],
+                    "refusal": None}
+        offsets, pos = [], 0
+        for t in token_ids:
+            offsets.append(pos)
+            pos += len(s(t))
+        return {"tokens": [s(t) for t in token_ids], "token_logprobs": [lp for lp, _ in lps],
+                "top_logprobs": [{s(a): alp for a, alp in alts} for _, alts in lps], "text_offset": offsets}
 
     def _finished(self, seq) -> None:
         r = seq.result
@@ -328,7 +351,8 @@ class Server:
             completion += len(r.token_ids)
             fields, called = self._message(plan, r.text, chat)
             finish = "tool_calls" if called else ("length" if r.finish_reason == "length" else "stop")
-            choices.append({"index": i, **fields, "finish_reason": finish, "logprobs": None})
+            lps = None if r.logprobs is None else self._logprobs_json(chat, r.token_ids, r.logprobs)
+            choices.append({"index": i, **fields, "finish_reason": finish, "logprobs": lps})
         return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object":
                 "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
@@ -350,10 +374,12 @@ class Server:
         parsers = [_new_parser(plan.parser) if chat and plan is not None and plan.parser else None for _ in range(n)]
 
         def make_cb(i):
-            def on_tokens(new):
+            def on_tokens(new, lps=None):
                 text = holds[i].push(detoks[i].push(new))
-                if text:
-                    loop.call_soon_threadsafe(q.put_nowait, (i, "text", text))
+                if lps is not None:  # a chunk per step: its text (maybe held back: "") and its tokens' logprobs
+                    loop.call_soon_threadsafe(q.put_nowait, (i, "text", (text, self._logprobs_json(chat, new, lps))))
+                elif text:
+                    loop.call_soon_threadsafe(q.put_nowait, (i, "text", (text, None)))
                 return True
             return on_tokens
 
@@ -364,7 +390,7 @@ class Server:
                 loop.call_soon_threadsafe(q.put_nowait, (i, "done", seq))
             threading.Thread(target=waiter, daemon=True).start()
 
-        def chunk(i, text=None, finish=None, role=False, tool_calls=None):
+        def chunk(i, text=None, finish=None, role=False, tool_calls=None, logprobs=None):
             if chat:
                 if role:
                     delta = {"role": "assistant", "content": ""}
@@ -372,9 +398,9 @@ class Server:
                     delta = {"tool_calls": tool_calls}
                 else:
                     delta = {"content": text} if text else {}
-                ch = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": None}
+                ch = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
             else:
-                ch = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+                ch = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
             return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                           "choices": [ch]}, ensure_ascii=False) + "\n\n"
 
@@ -402,11 +428,12 @@ class Server:
                             return
                         continue
                     if kind == "text":
+                        val, lps = val
                         if parsers[i] is not None:
                             for line in parsed_chunks(i, parsers[i].feed(val), called):
                                 yield line
                         else:
-                            yield chunk(i, text=val)
+                            yield chunk(i, text=val, logprobs=lps)
                         continue
                     left -= 1
                     seq = val
@@ -438,6 +465,22 @@ class Server:
                         seq.cancel()
 
         return gen()
+
+
+def _logprobs_setting(body: dict) -> int | None:
+    """None (no logprobs) or how many alternatives per token: chat `logprobs: true` + `top_logprobs` (0-20),
+    completions `logprobs: N` (0-5), as OpenAI."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if isinstance(lp, bool) or lp is None:
+        if top is not None and not lp:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not lp:
+            return None
+        return _int(body, "top_logprobs", 0, 0, 20)
+    if isinstance(lp, int) and 0 <= lp <= 5:
+        return lp
+    raise APIError(400, f"logprobs must be true/false (chat) or an integer in [0, 5] (completions), got {lp!r}",
+                   "logprobs")
 
 
 def _new_parser(name: str):

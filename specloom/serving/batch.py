@@ -49,7 +49,8 @@ class Sequence:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: object | None = None  # serving/grammar.py Constraint
-    on_tokens: object | None = None  # callback(new_ids) -> False to abort (runs on the scheduler thread)
+    on_tokens: object | None = None  # callback(new_ids[, new_logprobs]) -> False to abort (scheduler thread)
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely alternatives
     # -- state (the scheduler's) --
     row: int = -1
     cancelled: bool = False
@@ -84,7 +85,19 @@ class _Run:
         self.t0 = time.perf_counter()
         self.t_prefill = 0.0
         self.draft_s = 0.0
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per emitted token, when asked
 
+    def record_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        """rows (len(tokens), V): the target logits each token was chosen from (after any grammar mask)."""
+        k = self.seq.logprobs
+        if k is None:
+            return
+        lp = torch.log_softmax(rows.float(), -1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        tops = lp.topk(k, -1) if k > 0 else None
+        for i, c in enumerate(chosen):
+            alts = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
+            self.logprobs.append((c, alts))
     def emit(self, emitted: list[int]) -> None:
         """Append a step's tokens; EOS, stop strings and max_tokens cut inside a multi-token step."""
         n_before = len(self.out)
@@ -104,8 +117,12 @@ class _Run:
                 self.finish = "length"
                 break
         cb = self.seq.on_tokens
-        if cb is not None and len(self.out) > n_before and cb(self.out[n_before:]) is False and not self.finish:
-            self.finish = "abort"
+        if cb is not None and len(self.out) > n_before:
+            new = self.out[n_before:]
+            # with logprobs asked, the callback also gets the new tokens' (logprob, alternatives)
+            go = cb(new) if self.seq.logprobs is None else cb(new, self.logprobs[n_before:len(self.out)])
+            if go is False and not self.finish:
+                self.finish = "abort"
 
     def result(self, tokenizer) -> GenerationResult:
         s = self.stats
@@ -115,6 +132,7 @@ class _Run:
             mean_accepted_length=mean_accepted_length(len(self.out), s.passes), num_draft_tokens=s.drafted,
             num_accepted_tokens=s.accepted, proposed_per_position=s.proposed_at, accepted_per_position=s.accepted_at,
             prefill_seconds=self.t_prefill, total_seconds=time.perf_counter() - self.t0, draft_seconds=self.draft_s,
+            logprobs=self.logprobs[:len(self.out)] if self.seq.logprobs is not None else None,
         )
 
 
@@ -251,6 +269,7 @@ class BatchScheduler:
             run.t_prefill = time.perf_counter() - run.t0
             if seq.constraint is not None:
                 seq.constraint.advance([first])
+            run.record_logprobs(logits[None], [first])
             run.emit([first])
         except Exception as e:
             seq.error = e
@@ -329,6 +348,8 @@ class BatchScheduler:
             self.policy.observe(r.acc, tree.max_depth, len(tree), res.num_accepted, draft_times[b], self._t1)
             if r.seq.constraint is not None:
                 r.seq.constraint.advance(res.tokens)
+            if r.seq.logprobs is not None:  # token i of the step was chosen from the logits of path node i
+                r.record_logprobs(logits[torch.tensor(res.path, device=logits.device)], res.tokens)
             r.emit(res.tokens)
         if self.on_step is not None:
             self.on_step(n, ks)
