@@ -192,3 +192,35 @@ def test_memory_budget_sizes_the_pool(tiny):
     assert parse_size("2GiB") == 2 ** 31 and parse_size("512MB") == 512 * 10 ** 6
     with pytest.raises(SpecloomError, match="memory size"):
         parse_size("lots")
+
+
+def test_load_aware_shrinks_trees_and_stays_exact(kinds):
+    """Load-aware depth below the drafter's own: the EAGLE-2 tree keeps proportionally fewer nodes; still exact."""
+    t, _, specs = kinds
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs["eagle_tree"]), max_model_len=256)
+    prompts = _prompts(seed=2)
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids
+            for p in prompts]
+    # verification cheap for one row, dear for several: depth 4 alone, shallower in a batch
+    cost = BatchCost({(n, k): 1.0 + 0.15 * (n - 1) * k for n in (1, 2, 4) for k in (1, 2, 3, 5, 9)})
+    sizes = []
+    sch = BatchScheduler(engine, rows=3, mode="load_aware", cost=cost)
+    orig = sch.policy.choose
+
+    def spy(alphas, caps):
+        ks = orig([0.9] * len(alphas), caps)  # pretend high acceptance: the depth follows the batch size only
+        sizes.append((len(alphas), max(ks)))
+        return ks
+
+    sch.policy.choose = spy
+    try:
+        seqs = [Sequence(p, N, SamplingParams(), ignore_eos=True) for p in prompts]
+        sch.submit(seqs)
+        got = [s.wait(120).token_ids for s in seqs]
+    finally:
+        sch.close()
+    assert got == want
+    by_n = {}
+    for n, k in sizes:
+        by_n.setdefault(n, set()).add(k)
+    assert max(by_n.get(1, {0})) > min(by_n.get(3, {9})), by_n  # deeper alone than with three rows

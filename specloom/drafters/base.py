@@ -59,6 +59,7 @@ class DraftContext:
     params: SamplingParams
     generator: torch.Generator | None
     k: int  # how many tokens deep to draft this step (already capped by the remaining budget)
+    max_nodes: int | None = None  # tree drafters: keep at most this many drafted nodes (None: their own setting)
 
 
 class Drafter:

@@ -221,7 +221,8 @@ class EagleDrafter(Drafter):
             frontier = new_frontier
         self._drop_tree_rows()
         # rerank: the best num_nodes candidates (ties: lower id = the parent first), kept in id order
-        order = sorted(range(len(cand_tok)), key=lambda c: (-cand_score[c], c))[:self.num_nodes]
+        budget = self.num_nodes if ctx.max_nodes is None else min(self.num_nodes, ctx.max_nodes)
+        order = sorted(range(len(cand_tok)), key=lambda c: (-cand_score[c], c))[:budget]
         keep = sorted(order)
         node_of = {c: i + 1 for i, c in enumerate(keep)}
         tokens = [ctx.tokens[-1]] + [cand_tok[c] for c in keep]

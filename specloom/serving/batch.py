@@ -306,6 +306,11 @@ class BatchScheduler:
         trees, draft_times = [], []
         for r, k in zip(runs, ks):
             r.ctx.k = k
+            # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
+            nodes = getattr(r.drafter, "num_nodes", None)
+            full = r.drafter.num_speculative_tokens if r.drafter else 0
+            shrink = self.policy.mode == "load_aware" and nodes and 0 < k < full  # not for the budget's own cut
+            r.ctx.max_nodes = max(k, -(-nodes * k // full)) if shrink else None
             t = time.perf_counter()
             tree = r.drafter.propose(r.ctx) if k > 0 else DraftTree([r.tokens[-1]], [-1])
             dt = time.perf_counter() - t
