@@ -117,3 +117,26 @@ def test_incremental_detokenizer_exact(real_tokenizers, text, cuts):
         deltas.append(d.finish())
         assert "".join(deltas) == tok.decode(ids), (text, ids)
         assert not any("\ufffd" in x for x in deltas[:-1]) or "\ufffd" in tok.decode(ids)
+
+
+FULL_TEXT = st.lists(st.one_of(TEXT, CALL, st.just("<think>"), st.just("</think>")), max_size=7).map("".join)
+
+
+def _pipeline(tok, chunks):
+    """Token chunks -> incremental detokenizer -> reasoning parser -> Hermes tool-call parser on the content."""
+    d, reasoning, tools = IncrementalDetokenizer(tok), ReasoningParser(), HermesToolParser()
+    for chunk in chunks + [None]:
+        text = d.push(chunk) if chunk is not None else d.finish()
+        r = reasoning.feed(text, final=chunk is None)
+        tools.feed(r.content, final=chunk is None)
+    return reasoning.result.reasoning, tools.result.content, [(c.name, c.arguments) for c in tools.result.tool_calls]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(FULL_TEXT, st.lists(st.integers(0, 10_000), max_size=10))
+def test_token_stream_to_tool_calls_chunk_invariant(real_tokenizers, text, cuts):
+    """End to end, as the server streams: every cut of the *token* stream gives the same reasoning, content and
+    tool calls as the whole token list decoded and parsed in one piece."""
+    for tok in real_tokenizers:
+        ids = tok.hf(text, add_special_tokens=False)["input_ids"]
+        assert _pipeline(tok, split_at(ids, cuts)) == _pipeline(tok, [ids])
