@@ -1,11 +1,12 @@
 """KV pool: the target's KV cache for several concurrent sequences, one row each, with ragged verification passes.
 
     pool = KVPool(model, rows=16, row_len=2304)
-    r = pool.allocate()                                    # a free row (active rows are kept at 0..n-1)
+    r = pool.allocate()                                    # the next free row (active rows are 0..n-1)
     out = model(tokens (1, T), positions, pool.batch([r], [T]), attn_mask=causal)   # prefill row r
     pool.commit(r)                                         # or pool.commit(r, path)
     out = model(tokens (n, T), positions, pool.batch(range(n), sizes), attn_mask=masks (n, T, T))
     moved = pool.release(r)                                # frees r; the last active row moves into it
+    pool.move(src, dst); pool.pop()                        # the same in two parts (the scheduler's own order)
 
 Each row keeps its own committed length. A batch pass writes row b's T new entries at slots
 `[length_b, length_b + T)` (pending) — T is the padded width; row b's first `sizes[b]` entries are real, the rest
@@ -62,22 +63,33 @@ class KVPool:
         self.lengths[r] = 0
         return r
 
+    def move(self, src: int, dst: int) -> None:
+        """Copy row `src`'s committed entries into row `dst` (both active; `src` keeps its copy until popped)."""
+        if src == dst:
+            return
+        if not (0 <= src < self.active and 0 <= dst < self.active):
+            raise ValueError(f"rows {src} -> {dst}: not active ({self.active} active)")
+        n = self.lengths[src]
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.slot_pos[dst, :n] = self.slot_pos[src, :n]
+        self.lengths[dst] = n
+
+    def pop(self) -> None:
+        """Free the last active row."""
+        if self.active == 0:
+            raise ValueError("no active row")
+        self.active -= 1
+        self.lengths[self.active] = 0
+
     def release(self, row: int) -> int | None:
         """Free `row`; the last active row moves into it. Returns the index of the row that moved (now `row`)."""
         last = self.active - 1
         if not 0 <= row <= last:
             raise ValueError(f"row {row} is not active")
-        moved = None
-        if row != last:
-            n = self.lengths[last]
-            self.k[:, row, :, :n] = self.k[:, last, :, :n]
-            self.v[:, row, :, :n] = self.v[:, last, :, :n]
-            self.slot_pos[row, :n] = self.slot_pos[last, :n]
-            self.lengths[row] = n
-            moved = last
-        self.lengths[last] = 0
-        self.active -= 1
-        return moved
+        self.move(last, row)
+        self.pop()
+        return last if row != last else None
 
     def batch(self, rows: Sequence[int], sizes: Sequence[int]) -> "_BatchPass":
         """A pass over the contiguous rows `rows` (each writing `sizes[b]` real entries, padded to max(sizes))."""

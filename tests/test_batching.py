@@ -224,3 +224,29 @@ def test_load_aware_shrinks_trees_and_stays_exact(kinds):
     for n, k in sizes:
         by_n.setdefault(n, set()).add(k)
     assert max(by_n.get(1, {0})) > min(by_n.get(3, {9})), by_n  # deeper alone than with three rows
+
+
+def test_long_prompt_prefilled_in_chunks_between_steps(tiny):
+    """A long prompt joining a running batch is prefilled 128 tokens per step: the running sequence keeps emitting
+    meanwhile, and both outputs stay exact."""
+    t = tiny("llama")
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
+                    max_model_len=512)
+    rng = random.Random(3)
+    short, long = [5, 6, 7, 8] * 3, [rng.randrange(4, 256) for _ in range(450)]
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=40, ignore_eos=True).token_ids
+            for p in (short, long)]
+    sch = BatchScheduler(engine, rows=2, mode="fixed")
+    during_prefill = []
+    try:
+        a = Sequence(short, 40, SamplingParams(), ignore_eos=True,
+                     on_tokens=lambda new: during_prefill.append(sch.prefilling is not None))
+        sch.submit([a])
+        while a.t_first is None:
+            time.sleep(0.001)
+        b = Sequence(long, 40, SamplingParams(), ignore_eos=True)
+        sch.submit([b])
+        assert [a.wait(60).token_ids, b.wait(60).token_ids] == want
+    finally:
+        sch.close()
+    assert sum(during_prefill) >= 2  # the short sequence stepped while the long prompt was being prefilled

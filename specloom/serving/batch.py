@@ -1,7 +1,8 @@
 """Continuous batching with speculation: one scheduler thread runs every active sequence through shared steps.
 
-Between steps, waiting requests are admitted (each into a free row of the KV pool, prefilled on its own) and
-finished or cancelled ones leave (their row is freed at once). Each step:
+Between steps, waiting requests are admitted, one at a time, into a free row of the KV pool and prefilled in
+chunks interleaved with the running sequences' steps (128 prompt tokens per step while others decode, so a long
+prompt does not stall them); finished or cancelled ones leave (their row is freed at once). Each step:
 
     depth per sequence  <- DepthPolicy (off / fixed / load-aware: batch size + each sequence's acceptance)
     tree per sequence   <- its own drafter (a fork sharing the weights) ; grammar-pruned when constrained
@@ -86,6 +87,8 @@ class _Run:
         self.t_prefill = 0.0
         self.draft_s = 0.0
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per emitted token, when asked
+        self.prefilled = 0  # prompt tokens in the KV pool so far (chunked prefill)
+        self.hidden: dict | None = None  # captured prompt hidden states for the drafter, gathered over chunks
 
     def record_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
         """rows (len(tokens), V): the target logits each token was chosen from (after any grammar mask)."""
@@ -154,6 +157,8 @@ class BatchScheduler:
         self.on_step = on_step  # callback(batch_size, depths) for metrics
         self.waiting: deque[Sequence] = deque()
         self.running: list[_Run] = []  # running[i].seq.row == i
+        self.prefilling: _Run | None = None  # admitted, prompt partly prefilled; its row is len(running)
+        self.prefill_chunk_busy = 128  # prompt tokens per scheduler iteration while others are decoding
         self.cv = threading.Condition()
         self._closed = False
         self.steps = 0
@@ -187,7 +192,7 @@ class BatchScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.running) + (self.prefilling is not None)
 
     @property
     def num_waiting(self) -> int:
@@ -205,24 +210,27 @@ class BatchScheduler:
         """The scheduling loop; returns after `close()`."""
         while True:
             with self.cv:
-                while not self._closed and not self.waiting and not self.running:
+                while not self._closed and not self.waiting and not self.running and self.prefilling is None:
                     self.cv.wait()
                 if self._closed:
-                    for s in list(self.waiting) + [r.seq for r in self.running]:
+                    pending = [r.seq for r in self.running] + ([self.prefilling.seq] if self.prefilling else [])
+                    for s in list(self.waiting) + pending:
                         s.error = QueueFull("the server shut down")
                         s.done.set()
                     return
-                admit = []
-                while self.waiting and self.pool.free_rows > len(admit):
+                seq = None
+                while self.prefilling is None and self.waiting and self.pool.free_rows:
                     s = self.waiting.popleft()
                     if s.cancelled:
-                        s.result = None
                         s.error = SpecloomError("cancelled")
                         s.done.set()
                         continue
-                    admit.append(s)
-            for s in admit:
-                self._start(s)
+                    seq = s
+                    break
+            if seq is not None:
+                self._admit(seq)
+            if self.prefilling is not None:
+                self._prefill_chunk()
             self._retire()
             if self.running:
                 try:
@@ -234,37 +242,52 @@ class BatchScheduler:
                         r.finish = "error"
                     self._retire()
 
-    @torch.inference_mode()
-    def _start(self, seq: Sequence) -> None:
+    # -- admission: chunked prefill, one sequence at a time, interleaved with the others' steps ---------------
+    def _admit(self, seq: Sequence) -> None:
         eng = self.engine
         eos = frozenset() if seq.ignore_eos else eng.tokenizer.eos_token_ids
         drafter = eng.drafter.fork() if eng.drafter else None
         run = _Run(seq, drafter, eos, StopChecker(eng.tokenizer, seq.stop), self.policy.new_acceptance(),
                    self.model.device)
-        seq.row = self.pool.allocate()
-        self.running.append(run)
+        seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
+        run.hidden = {c: [] for c in (drafter.needs_hidden if drafter else ())}
+        self.prefilling = run
+
+    @torch.inference_mode()
+    def _prefill_chunk(self) -> None:
+        """One chunk of the prefilling sequence's prompt (a short one while others are decoding, so their steps
+        are not held up by a long prompt); after the last chunk it samples the first token and starts running."""
+        run = self.prefilling
+        seq = run.seq
+        if seq.cancelled:
+            self._drop_prefilling(None)
+            return
         try:
-            capture = drafter.needs_hidden if drafter else ()
-            out, hidden = None, {c: [] for c in capture}
-            ids, dev, chunk = seq.ids, self.model.device, eng.prefill_chunk
-            for start in range(0, len(ids), chunk):
-                part = ids[start:start + chunk]
-                x = torch.tensor([part], device=dev)
-                pos = torch.arange(start, start + len(part), device=dev)[None]
-                out = self.model(x, pos, self.pool.batch([seq.row], [len(part)]), capture=capture, num_logits=1)
-                self.pool.commit(seq.row)
-                for c in hidden:
-                    hidden[c].append(out.hidden[c])
+            chunk = self.prefill_chunk_busy if self.running else self.engine.prefill_chunk
+            start = run.prefilled
+            part = seq.ids[start:start + chunk]
+            dev = self.model.device
+            x = torch.tensor([part], device=dev)
+            pos = torch.arange(start, start + len(part), device=dev)[None]
+            capture = tuple(run.hidden)
+            out = self.model(x, pos, self.pool.batch([seq.row], [len(part)]), capture=capture, num_logits=1)
+            self.pool.commit(seq.row)
+            for c in capture:
+                run.hidden[c].append(out.hidden[c])
+            run.prefilled += len(part)
+            if run.prefilled < len(seq.ids):
+                return
             if capture:
-                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in hidden.items()})
+                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in run.hidden.items()})
+            run.hidden = None
             logits = out.logits[0, -1]
             if seq.constraint is not None:
                 logits = logits.clone()
                 seq.constraint.mask_row(logits)
             first = sample_token(logits, seq.params, run.generator)
-            if drafter:
+            if run.drafter:
                 t = time.perf_counter()
-                drafter.prefill(run.ctx, out)
+                run.drafter.prefill(run.ctx, out)
                 run.draft_s += time.perf_counter() - t
             run.t_prefill = time.perf_counter() - run.t0
             if seq.constraint is not None:
@@ -272,11 +295,26 @@ class BatchScheduler:
             run.record_logprobs(logits[None], [first])
             run.emit([first])
         except Exception as e:
-            seq.error = e
-            run.finish = "error"
+            self._drop_prefilling(e)
+            return
+        self.prefilling = None
+        self.running.append(run)  # its row is len(running) - 1: the running block stays contiguous
+
+    def _drop_prefilling(self, error: BaseException | None) -> None:
+        run, self.prefilling = self.prefilling, None
+        run.finish = "abort" if error is None else "error"
+        seq = run.seq
+        if error is not None:
+            seq.error = error
+        else:
+            seq.result = run.result(self.engine.tokenizer)
+        self.pool.release(seq.row)  # the last active row: nothing moves
+        seq.done.set()
 
     def _retire(self) -> None:
-        """Finish and remove sequences that are done or cancelled; their pool rows are freed at once."""
+        """Finish and remove sequences that are done or cancelled; their pool rows are freed at once. The last
+        running row moves into the hole (and a prefilling row, which sits after the running block, moves down
+        one), so the running rows stay 0..n-1."""
         i = 0
         while i < len(self.running):
             run = self.running[i]
@@ -288,11 +326,15 @@ class BatchScheduler:
             seq = run.seq
             if seq.error is None:
                 seq.result = run.result(self.engine.tokenizer)
-            moved = self.pool.release(seq.row)
             last = self.running.pop()
-            if moved is not None:  # the last row moved into this one
+            if last is not run:  # the last running row moves into the hole
+                self.pool.move(last.seq.row, seq.row)
                 last.seq.row = seq.row
                 self.running[seq.row] = last
+            if self.prefilling is not None:  # keep the prefilling row right after the running block
+                self.pool.move(self.prefilling.seq.row, len(self.running))
+                self.prefilling.seq.row = len(self.running)
+            self.pool.pop()
             seq.done.set()
 
     @torch.inference_mode()
