@@ -180,6 +180,9 @@ def _drive(live, model, prompts, concurrency, modes, max_tokens, requests_per_le
         ps = [prompts[(start + i) % len(prompts)] for i in range(n)]
         start += n
         level = {}
+        # warm-up on this level's prompts (2 tokens each): the first pass at a new prompt length builds oneDNN
+        # kernels for that shape, which would otherwise be charged to whichever mode runs first
+        _level(live, model, ps, c, 2)
         order = modes[li % len(modes):] + modes[:li % len(modes)]
         for m in order:
             policy.mode = m

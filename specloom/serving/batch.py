@@ -1,8 +1,9 @@
 """Continuous batching with speculation: one scheduler thread runs every active sequence through shared steps.
 
-Between steps, waiting requests are admitted, one at a time, into a free row of the KV pool and prefilled in
-chunks interleaved with the running sequences' steps (128 prompt tokens per step while others decode, so a long
-prompt does not stall them); finished or cancelled ones leave (their row is freed at once). Each step:
+Between steps, waiting requests are admitted into free rows of the KV pool and prefilled under a token budget
+(256 prompt tokens per step while others decode: short prompts join several at a time, a long one is cut into
+chunks between steps, so it does not stall the others); finished or cancelled ones leave (their row is freed at
+once). Each step:
 
     depth per sequence  <- DepthPolicy (off / fixed / load-aware: batch size + each sequence's acceptance)
     tree per sequence   <- its own drafter (a fork sharing the weights) ; grammar-pruned when constrained
@@ -158,7 +159,7 @@ class BatchScheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[_Run] = []  # running[i].seq.row == i
         self.prefilling: _Run | None = None  # admitted, prompt partly prefilled; its row is len(running)
-        self.prefill_chunk_busy = 128  # prompt tokens per scheduler iteration while others are decoding
+        self.prefill_budget = 256  # prompt tokens prefilled per scheduler iteration while others are decoding
         self.cv = threading.Condition()
         self._closed = False
         self.steps = 0
@@ -218,19 +219,18 @@ class BatchScheduler:
                         s.error = QueueFull("the server shut down")
                         s.done.set()
                     return
-                seq = None
-                while self.prefilling is None and self.waiting and self.pool.free_rows:
-                    s = self.waiting.popleft()
-                    if s.cancelled:
-                        s.error = SpecloomError("cancelled")
-                        s.done.set()
-                        continue
-                    seq = s
+            # prefill under a token budget per iteration (vLLM's chunked prefill): short prompts join several at a
+            # time, a long one is cut into chunks between the running sequences' steps
+            budget = self.prefill_budget if self.running else self.engine.prefill_chunk
+            while budget > 0:
+                if self.prefilling is None:
+                    seq = self._next_waiting()
+                    if seq is None:
+                        break
+                    self._admit(seq)
+                budget -= self._prefill_chunk(budget)
+                if self.prefilling is not None:  # a partial prompt: continue after the next step
                     break
-            if seq is not None:
-                self._admit(seq)
-            if self.prefilling is not None:
-                self._prefill_chunk()
             self._retire()
             if self.running:
                 try:
@@ -242,7 +242,17 @@ class BatchScheduler:
                         r.finish = "error"
                     self._retire()
 
-    # -- admission: chunked prefill, one sequence at a time, interleaved with the others' steps ---------------
+    # -- admission: chunked prefill, interleaved with the others' steps -----------------------------------------
+    def _next_waiting(self) -> Sequence | None:
+        with self.cv:
+            while self.waiting and self.pool.free_rows:
+                s = self.waiting.popleft()
+                if not s.cancelled:
+                    return s
+                s.error = SpecloomError("cancelled")
+                s.done.set()
+        return None
+
     def _admit(self, seq: Sequence) -> None:
         eng = self.engine
         eos = frozenset() if seq.ignore_eos else eng.tokenizer.eos_token_ids
@@ -254,17 +264,18 @@ class BatchScheduler:
         self.prefilling = run
 
     @torch.inference_mode()
-    def _prefill_chunk(self) -> None:
-        """One chunk of the prefilling sequence's prompt (a short one while others are decoding, so their steps
-        are not held up by a long prompt); after the last chunk it samples the first token and starts running."""
+    def _prefill_chunk(self, budget: int) -> int:
+        """Up to `budget` more prompt tokens of the prefilling sequence; after its last chunk it samples the first
+        token and joins the running block. Returns the tokens prefilled."""
         run = self.prefilling
         seq = run.seq
         if seq.cancelled:
             self._drop_prefilling(None)
-            return
+            return 0
+        part = []
         try:
-            chunk = self.prefill_chunk_busy if self.running else self.engine.prefill_chunk
             start = run.prefilled
+            chunk = min(budget, self.engine.prefill_chunk)
             part = seq.ids[start:start + chunk]
             dev = self.model.device
             x = torch.tensor([part], device=dev)
@@ -276,7 +287,7 @@ class BatchScheduler:
                 run.hidden[c].append(out.hidden[c])
             run.prefilled += len(part)
             if run.prefilled < len(seq.ids):
-                return
+                return len(part)
             if capture:
                 out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in run.hidden.items()})
             run.hidden = None
@@ -296,9 +307,10 @@ class BatchScheduler:
             run.emit([first])
         except Exception as e:
             self._drop_prefilling(e)
-            return
+            return len(part)
         self.prefilling = None
         self.running.append(run)  # its row is len(running) - 1: the running block stays contiguous
+        return len(part)
 
     def _drop_prefilling(self, error: BaseException | None) -> None:
         run, self.prefilling = self.prefilling, None
