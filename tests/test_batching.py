@@ -170,6 +170,13 @@ def test_load_aware_policy_depth_falls_with_load():
     pol.draft_cost = 0.5  # an expensive drafter: shallower
     assert max(pol.choose([0.7], [4])) < 4
     assert DepthPolicy("off", 4).choose([0.9], [4]) == [0] and DepthPolicy("fixed", 4).choose([0.1], [2]) == [2]
+    # online calibration: when passes at the chosen depth really cost 3x the curve, the policy goes shallower
+    pol.draft_cost = 0.02
+    before = max(pol.choose([0.7] * 2, [4] * 2))
+    assert before >= 1
+    for _ in range(60):
+        cost.observe(2, 1 + before, 3.0 * cost.base * cost(2, 1 + before))
+    assert max(pol.choose([0.7] * 2, [4] * 2)) < before
     acc = Acceptance(prior=0.5)
     for _ in range(20):
         acc.update(4, 4)

@@ -387,8 +387,11 @@ class BatchScheduler:
             if mask is not None and s > 1:
                 mask[b, :s, :s] = tree.ancestor_mask()
         capture = tuple(sorted({c for r in runs if r.drafter for c in r.drafter.needs_hidden}))
+        t_pass = time.perf_counter()
         out = self.model(tokens.to(dev), positions.to(dev), self.pool.batch(range(n), sizes),
                          attn_mask=None if mask is None else mask.to(dev), capture=capture)
+        if self.policy.cost is not None and self.policy.mode == "load_aware":
+            self.policy.cost.observe(n, T, time.perf_counter() - t_pass)
         self.steps += 1
         for b, (r, tree) in enumerate(zip(runs, trees)):
             s = sizes[b]

@@ -1,8 +1,8 @@
 """Load-aware speculation: how deep to draft this step, from the batch size and each request's recent acceptance.
 
 A verification pass over n rows of T tokens costs c(n, T) (relative to one plain single-sequence decode step),
-measured on this machine at start-up over a small grid and cached (`measure_batch_cost`). Drafting costs d per
-depth per request (measured online). A request with per-token acceptance alpha emits on average
+measured on this machine at start-up over a small grid and cached (`measure_batch_cost`), then calibrated with
+every pass the server runs (`BatchCost.observe`). Drafting costs d per depth per request (measured online). A request with per-token acceptance alpha emits on average
 E(alpha, k) = 1 + alpha + ... + alpha^k tokens from a k-deep chain. Each step the policy picks the depth k that
 maximises the batch's expected tokens per unit time
 
@@ -84,6 +84,14 @@ class BatchCost:
         lo = at(n0, t0) + (at(n0, t1) - at(n0, t0)) * ft
         hi = at(n1, t0) + (at(n1, t1) - at(n1, t0)) * ft
         return max(lo + (hi - lo) * fn, 1e-9)
+
+    def observe(self, n: int, t: int, seconds: float, weight: float = 0.1) -> None:
+        """Calibrate online with a measured pass: scale the nearest grid point towards what this pass cost
+        relative to the curve's prediction (start-up measurements use a 128-token context; real contexts differ)."""
+        n0 = min(self.rows, key=lambda r: abs(math.log(r / n)))
+        t0 = min(self.tokens, key=lambda x: abs(x - t))
+        ratio = seconds / self._interp(n, t)
+        self.seconds[(n0, t0)] *= (1 - weight) + weight * min(max(ratio, 0.25), 4.0)
 
     def to_json(self) -> dict:
         return {f"{n}x{t}": v for (n, t), v in self.seconds.items()}
