@@ -4,9 +4,6 @@ with OpenAI bodies -- with speculation on (the bundled EAGLE-3 tree) and off. St
 == plain greedy decoding."""
 
 import json
-import socket
-import threading
-import time
 
 import pytest
 
@@ -14,34 +11,18 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=[None, {"method": "eagle3"}], ids=["off", "eagle3"])
 def server(request, smollm2):
     from specloom import Engine
-    from specloom.serving.api import Server, build_app
+    from specloom.bench.serve_load import LiveServer
+    from specloom.serving.api import Server
     from specloom.speculative import SpeculativeConfig
 
     engine = Engine(smollm2.model, smollm2.tokenizer, SpeculativeConfig.parse(request.param), max_model_len=1024)
-    port = _free_port()
-    server = Server(engine, "smollm2-135m", api_key="sk-test", max_num_seqs=4, speculation="fixed")
-    srv = uvicorn.Server(uvicorn.Config(build_app(server),
-                                        host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-test", max_retries=0)
-    yield client, engine, port
-    srv.should_exit = True
-    th.join(timeout=10)
-    server.close()
+    live = LiveServer(Server(engine, "smollm2-135m", api_key="sk-test", max_num_seqs=4, speculation="fixed"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{live.port}/v1", api_key="sk-test", max_retries=0)
+    yield client, engine, live.port
+    live.close()
 
 
 MSG = [{"role": "user", "content": "Name three colours, comma separated."}]

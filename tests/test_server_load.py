@@ -12,7 +12,6 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_server import _free_port  # noqa: E402
 
 PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about rain.", "Say hello in French.",
            "List two fruits.", "What is the capital of Italy?", "Count from one to five.", "Describe a cat briefly.",
@@ -24,7 +23,8 @@ PROMPTS = ["Name three colours.", "What is 2 + 2?", "Write a haiku about rain.",
 @pytest.fixture(scope="module")
 def live(smollm2):
     from specloom import Engine
-    from specloom.serving.api import Server, build_app
+    from specloom.bench.serve_load import LiveServer
+    from specloom.serving.api import Server
     from specloom.serving.load_aware import BatchCost
     from specloom.speculative import SpeculativeConfig
 
@@ -33,18 +33,9 @@ def live(smollm2):
     # a fixed cost curve (no start-up measurement in tests): flat up to 16 tokens per pass, then linear
     cost = BatchCost({(n, t): max(1.0, n * t / 16) for n in (1, 2, 4, 8, 16) for t in (1, 2, 3, 5, 9, 17)})
     server = Server(engine, "smollm2-135m", max_num_seqs=16, speculation="load_aware", cost=cost, max_queue=64)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=srv.run, daemon=True)
-    th.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
-    yield server, port, engine
-    srv.should_exit = True
-    th.join(timeout=10)
-    server.close()
+    live = LiveServer(server)
+    yield server, live.port, engine
+    live.close()
 
 
 def _rss() -> int:

@@ -28,8 +28,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Live:
-    """A Server behind uvicorn in a thread (its scheduler runs wherever the caller runs it)."""
+class LiveServer:
+    """A Server behind uvicorn on 127.0.0.1 in a thread (its scheduler runs wherever the caller runs it); used by
+    `bench-serve` and the server tests. `close()` stops HTTP and the scheduler."""
 
     def __init__(self, server):
         import uvicorn
@@ -141,7 +142,7 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
         f"{n}x{t}={cost(n, t):.2f}" for n in cost.rows for t in (1, 3, 5)), flush=True)
     server = Server(engine, model, max_num_seqs=rows, speculation="fixed" if engine.drafter else "off", cost=cost,
                     max_queue=4 * rows, start=False)
-    live = _Live(server)
+    live = LiveServer(server)
     report: dict = {"model": model, "speculative_config": speculative_config, "dtype": dtype, "max_tokens": max_tokens,
                     "concurrency": concurrency, "modes": modes, "levels": {}}
     errors: list[BaseException] = []
