@@ -1,25 +1,27 @@
 """Target-model configuration: one frozen dataclass for every supported family.
 
 `ModelConfig.from_hf(dict)` reads a HF `config.json`; the GGUF loader builds the same dict from GGUF metadata, so
-both loaders share one parser. `family` selects the model class from the registry in `specloom.models`.
+both loaders share one parser. `family` selects the model class from the registry in `specloom.models`; what
+differs between families (defaults, embedding scale, q/k norm, sliding layers) is read from the family's record,
+`specloom.models.family.FamilySpec`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import SpecloomError
 
-# HF `model_type` -> our family (the decoder-block implementation).
-_FAMILY_OF_MODEL_TYPE = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-}
+if TYPE_CHECKING:
+    from .models.family import FamilySpec
+
+
+def _spec_for(model_type: str | None) -> "FamilySpec | None":
+    # imported here: the model modules import this one, and their import registers the records
+    from .models.family import spec_for_model_type
+
+    return spec_for_model_type(model_type)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,14 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        return _FAMILY_OF_MODEL_TYPE[self.model_type]
+        return self.family_spec.name
+
+    @property
+    def family_spec(self) -> "FamilySpec":
+        spec = _spec_for(self.model_type)
+        if spec is None:
+            raise SpecloomError(f"unsupported architecture {self.model_type!r}")
+        return spec
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -81,10 +90,12 @@ class ModelConfig:
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
             cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
         model_type = cfg.get("model_type")
-        if model_type not in _FAMILY_OF_MODEL_TYPE:
+        spec = _spec_for(model_type)
+        if spec is None:
+            from .models.family import supported_model_types
+
             raise SpecloomError(
-                f"unsupported architecture {model_type!r}; specloom supports "
-                f"{', '.join(sorted(_FAMILY_OF_MODEL_TYPE))}"
+                f"unsupported architecture {model_type!r}; specloom supports {', '.join(supported_model_types())}"
             )
         try:
             hidden = int(cfg["hidden_size"])
@@ -114,22 +125,29 @@ class ModelConfig:
         elif rope_type not in ("default", None) and not (rope_type == "linear" and float(rope.get("factor", 1)) == 1):
             raise SpecloomError(f"unsupported RoPE scaling {rope_type!r} (supported: default, llama3)")
 
-        family = _FAMILY_OF_MODEL_TYPE[model_type]
         layer_types: tuple[str, ...] = ()
         sliding = cfg.get("sliding_window")
-        if family == "gemma3":
+        if spec.sliding_layers:
             if cfg.get("layer_types"):
                 layer_types = tuple(cfg["layer_types"])
             else:
-                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
+                              or spec.default_sliding_window_pattern)
                 layer_types = tuple(
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
                 )
-            rope_local_theta = float(rope_local_theta or 10000.0)
+            rope_local_theta = float(rope_local_theta or spec.default_rope_local_theta)
         elif cfg.get("use_sliding_window") and sliding:
-            raise SpecloomError("sliding-window attention is only supported for Gemma-3 models")
+            from .models.family import FAMILY_SPECS
+
+            with_sliding = [s.name for s in FAMILY_SPECS.values() if s.sliding_layers]
+            raise SpecloomError(
+                f"sliding-window attention is not supported for {model_type!r} models "
+                f"(only for the families {', '.join(with_sliding)})"
+            )
         else:
             sliding = None
+            rope_local_theta = None
         if cfg.get("attn_logit_softcapping"):
             raise SpecloomError("attention logit soft-capping (Gemma-2) is not supported")
 
@@ -148,16 +166,16 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=scaling,
             max_position=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
-            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
-            qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", spec.tie_word_embeddings)),
+            attention_bias=bool(cfg.get("attention_bias", model_type in spec.qkv_bias_model_types)),
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type not in spec.qkv_bias_model_types,
+            qk_norm=model_type in spec.qk_norm_model_types,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             sliding_window=int(sliding) if sliding else None,
             layer_types=layer_types,
-            rope_local_theta=rope_local_theta if family == "gemma3" else None,
+            rope_local_theta=rope_local_theta,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
-            embedding_scale=math.sqrt(hidden) if family == "gemma3" else 1.0,
+            embedding_scale=spec.embedding_scale(hidden),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

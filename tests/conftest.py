@@ -238,15 +238,15 @@ def near_target_scores(drafter, target, noise: float = 1.0, seed: int = 0) -> No
 
     g = torch.Generator().manual_seed(seed)
     state = {}
-    orig_propose, orig_row = drafter.propose, drafter._row
+    orig_propose, orig_row = drafter.propose, drafter._rows
 
-    def propose(ctx):
-        state["prefix"] = list(ctx.tokens)
-        return orig_propose(ctx)
+    def propose(ctxs):
+        state["prefix"] = list(ctxs[0].tokens)
+        return orig_propose(ctxs)
 
-    def row(h, tokens, depth, n, mask=None):
-        state["prefix"].append(tokens[0])
-        return orig_row(h, tokens, depth, n, mask)
+    def row(h, tokens, depth, ctxs, span, mask=None):
+        state["prefix"].append(int(tokens[0][0]))
+        return orig_row(h, tokens, depth, ctxs, span, mask)
 
     def logits(h, depth):
         ids = torch.tensor([state["prefix"]])
@@ -254,4 +254,4 @@ def near_target_scores(drafter, target, noise: float = 1.0, seed: int = 0) -> No
         out = target(ids, torch.arange(ids.shape[1])[None], kv, num_logits=1).logits[0, -1]
         return (out + noise * torch.randn(out.shape, generator=g))[None]
 
-    drafter.propose, drafter._row, drafter._logits = propose, row, logits
+    drafter.propose, drafter._rows, drafter._logits = propose, row, logits

@@ -109,14 +109,14 @@ class _Oracle:
         d, self.truth = drafter, truth
         orig = d.propose
 
-        def propose(ctx):
-            self.n = len(ctx.tokens) - 1
-            return orig(ctx)
+        def propose(ctxs):
+            self.n = len(ctxs[0].tokens) - 1
+            return orig(ctxs)
 
-        def draft_logits(h):
-            out = torch.zeros(h.shape[0], 256)
-            for j in range(h.shape[0]):
-                out[j, truth[min(self.n + 1 + j, len(truth) - 1)]] = 100.0
+        def draft_logits(h):  # h (rows, slots, H)
+            out = torch.zeros(*h.shape[:-1], 256)
+            for j in range(h.shape[-2]):
+                out[..., j, truth[min(self.n + 1 + j, len(truth) - 1)]] = 100.0
             return out
 
         d.propose = propose

@@ -224,7 +224,7 @@ class _Scripted(Drafter):
     def num_speculative_tokens(self):
         return self.k
 
-    def propose(self, ctx):
+    def propose_one(self, ctx):
         return type(self).fn(self, ctx)
 
 
@@ -330,7 +330,7 @@ class _Sampler(Drafter):
     def num_speculative_tokens(self):
         return 3
 
-    def propose(self, ctx):
+    def propose_one(self, ctx):
         q, g = type(self).q, ctx.generator
         a = int(torch.multinomial(q, 1, generator=g))
         q2 = q.clone()

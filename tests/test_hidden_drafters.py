@@ -93,18 +93,18 @@ class _Oracle:
         d = self.d
         orig_propose = d.propose
 
-        def propose(ctx):
-            self.n = len(ctx.tokens) - 1
+        def propose(ctxs):
+            self.n = len(ctxs[0].tokens) - 1
             self.calls = 0
-            return orig_propose(ctx)
+            return orig_propose(ctxs)
 
         d.propose = propose
         V = 256
         if hasattr(d, "heads"):  # Medusa: all heads at once
-            def logits(h):
-                out = torch.zeros(d.heads.num_heads, V)
+            def logits(h):  # h (rows, H) -> (heads, rows, V)
+                out = torch.zeros(d.heads.num_heads, *h.shape[:-1], V)
                 for k in range(d.heads.num_heads):
-                    out[k, self.truth[min(self.n + 1 + k, len(self.truth) - 1)]] = 10.0
+                    out[k, ..., self.truth[min(self.n + 1 + k, len(self.truth) - 1)]] = 10.0
                 return out
 
             d.heads.logits = logits

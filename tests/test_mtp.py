@@ -77,9 +77,9 @@ def test_oracle_mtp_all_accepted(mtp_target, extra):
         orig_propose = dr.propose
         state = {}
 
-        def propose(ctx, orig=orig_propose):
-            state["n"] = len(ctx.tokens) - 1
-            return orig(ctx)
+        def propose(ctxs, orig=orig_propose):
+            state["n"] = len(ctxs[0].tokens) - 1
+            return orig(ctxs)
 
         def logits(h, depth):
             rows = h.shape[0] if h.dim() == 2 else 1

@@ -44,7 +44,7 @@ class _Scripted(Drafter):
     def num_speculative_tokens(self):
         return self.k
 
-    def propose(self, ctx):
+    def propose_one(self, ctx):
         seq = self.truth[ctx.num_prompt_tokens]  # prompt + greedy continuation
         n = len(ctx.tokens)
         right = seq[n:n + ctx.k]

@@ -1,20 +1,24 @@
 """The drafter protocol and registry.
 
-A drafter proposes a `DraftTree` each step; the engine runs the target once over it, verifies, commits the
-accepted path, and tells the drafter what happened so it can roll back its own state:
+A drafter is the kind's *shared* part (weights, settings, tree size); each running sequence owns a per-row
+state made by `new_state()`. Every call takes all rows of the step at once, so hidden-state drafters run one
+drafter pass per depth for the whole batch:
 
-    prefill(ctx, target_out)           after the prompt's prefill (target_out: the last chunk's ForwardOutput)
-    propose(ctx) -> DraftTree          root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
-    on_verified(ctx, result, target_out)
+    new_state() -> state                        per sequence (held in `ctx.state`)
+    prefill(ctx, target_out)                    after one row's prompt prefill (target_out: its ForwardOutput)
+    propose(ctxs) -> list[DraftTree]            root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
+    on_verified(ctxs, results, target_out)      target_out: the step's batched pass; row ctx.row is this row's
 
-`needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the drafter
-reads; the engine captures them in every target pass. Drafter classes register under their `method` name with
-`@register("name")` and are built by `create(spec, target, tokenizer)`; the engine never branches on the name.
+Each `DraftContext` names its row of the target's KV store (`ctx.kv`, `ctx.row`); a drafter keeps its own
+keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows move and free
+together. `needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the
+drafter reads; the step captures them in every target pass. Drafters without a batched pass (n-gram, test
+drafters) implement `propose_one(ctx)` instead of `propose`. Drafter classes register under their `method` name
+with `@register("name")` and are built by `create(spec, target, tokenizer)`; the engine never branches on it.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -60,11 +64,19 @@ class DraftContext:
     generator: torch.Generator | None
     k: int  # how many tokens deep to draft this step (already capped by the remaining budget)
     max_nodes: int | None = None  # tree drafters: keep at most this many drafted nodes (None: their own setting)
+    row: int = 0  # this sequence's row in the target's KV store (and in the drafter's companion stores)
+    kv: object = None  # the target's KV store (kv.KVCache)
+    state: object = None  # the drafter's per-row state (`Drafter.new_state()`)
+
+    @property
+    def root_position(self) -> int:
+        return len(self.tokens) - 1
 
 
 class Drafter:
     method: str = ""
     needs_hidden: tuple[int, ...] = ()
+    num_nodes: int | None = None  # tree drafters: drafted nodes per step (None: a chain of depth nodes)
 
     @classmethod
     def check(cls, spec, target_config) -> None:
@@ -79,31 +91,24 @@ class Drafter:
     def num_speculative_tokens(self) -> int:
         raise NotImplementedError
 
+    def memory(self) -> dict:
+        """Bytes the drafter adds: `weights` (its own parameters and buffers, shared target parts excluded) and
+        `kv_per_1k_tokens` (its companion KV per 1000 slots of a row, at the dtype it allocates; a companion row
+        is as long as the target's row)."""
+        return {"weights": 0, "kv_per_1k_tokens": 0}
+
+    def new_state(self):
+        """Fresh per-row state for one sequence."""
+        return None
+
     def prefill(self, ctx: DraftContext, target_out) -> None:
         pass
 
-    def memory(self) -> dict:
-        """Bytes the drafter adds: `weights` (its own parameters and buffers, shared target parts excluded) and
-        `kv_per_1k_tokens` (its KV cache per 1000 tokens of context at the dtype it allocates)."""
-        return {"weights": 0, "kv_per_1k_tokens": 0}
+    def propose(self, ctxs: list[DraftContext]) -> list[DraftTree]:
+        return [self.propose_one(c) for c in ctxs]
 
-    def propose(self, ctx: DraftContext) -> DraftTree:
+    def propose_one(self, ctx: DraftContext) -> DraftTree:
         raise NotImplementedError
 
-    def fork(self) -> "Drafter":
-        """A drafter for one more concurrent sequence (continuous batching): it shares this one's weights and
-        settings and owns fresh per-sequence state (caches are dropped; `prefill` builds them)."""
-        from ..kv import KVCache
-
-        new = copy.copy(self)
-        for name, value in vars(self).items():
-            if isinstance(value, KVCache):
-                setattr(new, name, None)
-            elif isinstance(value, list):  # per-sequence lists (feature queues, per-layer caches) must not alias
-                setattr(new, name, [None if isinstance(v, KVCache) else v for v in value])
-            elif isinstance(value, dict) and name.startswith("_"):
-                setattr(new, name, dict(value))
-        return new
-
-    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
+    def on_verified(self, ctxs: list[DraftContext], results: list, target_out) -> None:
         pass

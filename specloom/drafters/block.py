@@ -28,6 +28,7 @@ from ..errors import SpecloomError
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
+from .rows import Span, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -40,8 +41,6 @@ class BlockDrafter(Drafter):
         self.k = k
         self.threshold = threshold
         self.needs_hidden = tuple(model.config.feature_ids)
-        self.kv = None
-        self._feats: list[torch.Tensor] = []  # target features of committed positions not yet in the drafter KV
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -103,70 +102,94 @@ class BlockDrafter(Drafter):
         from .base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        dt = self.kv.dtype if self.kv is not None else torch.float32
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, dt)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())}
 
-    # -- state -----------------------------------------------------------------------------------------------
-    def _features(self, target_out, rows=None) -> torch.Tensor:
-        f = torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)[0]  # (T, F)
-        return f if rows is None else f[rows]
+    def _kv_dtype(self):
+        return torch.float32 if self.model.fc.weight.device.type == "cpu" else self.model.dtype
+
+    # -- state: per row, target features of committed positions not yet in the drafter KV ---------------------
+    def new_state(self) -> list:
+        return []
+
+    def _store(self, ctx):
+        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, batch=rows))
+
+    def _features(self, target_out) -> torch.Tensor:
+        return torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)  # (B, T, F)
 
     def prefill(self, ctx: DraftContext, target_out) -> None:
-        n = len(ctx.tokens)
-        if self.kv is None or self.kv.max_len < n + 1024:
-            self.kv = self.model.new_kv(n + 4096)
-        self.kv.reset()
-        self._feats = [self._features(target_out)]
+        self._store(ctx).truncate(0, row=ctx.row)
+        ctx.state[:] = [self._features(target_out)[0]]
 
-    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
-        self._feats.append(self._features(target_out, torch.tensor(result.path, device=target_out.logits.device)))
+    def on_verified(self, ctxs, results, target_out) -> None:
+        f = self._features(target_out)
+        for ctx, res in zip(ctxs, results):
+            ctx.state.append(f[ctx.row, torch.tensor(res.path, device=f.device)])
 
-    def _catch_up(self, n: int) -> None:
-        feats = torch.cat(self._feats)[None]  # (1, m, F): positions kv.length .. n-1
-        self._feats = []
-        m = feats.shape[1]
-        if self.kv.length + m != n:
-            raise RuntimeError(f"{self.method} drafter out of step: {self.kv.length} + {m} rows for root position {n}")
-        if self.kv.max_len < n + 1:
-            self.kv = self.kv.grown(n + 4096)
-        if m:
-            self.model.extend(self.kv, feats)
+    def _catch_up(self, ctxs, store, span) -> None:
+        """The context keys/values of every row's newly committed positions, in one ragged pass."""
+        feats = []
+        for c in ctxs:
+            feats.append(torch.cat(c.state) if len(c.state) > 1 else c.state[0])
+            if store.lengths[c.row] + feats[-1].shape[0] != c.root_position:
+                raise RuntimeError(f"{self.method} drafter out of step: {store.lengths[c.row]} + "
+                                   f"{feats[-1].shape[0]} rows for root position {c.root_position}")
+            c.state.clear()
+        m = [f.shape[0] for f in feats]
+        M, dev = max(m), feats[0].device
+        x = torch.zeros(len(ctxs), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
+        pos = torch.zeros(len(ctxs), M, dtype=torch.long)
+        for b, c in enumerate(ctxs):
+            x[b, :m[b]] = feats[b]
+            pos[b] = torch.arange(store.lengths[c.row], store.lengths[c.row] + M)
+        p = span.begin(store, m)
+        self.model.extend(p, span.spread(x), span.spread(pos.to(dev)))
+        span.commit(store)
 
     # -- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        root = ctx.tokens[-1]
-        n = len(ctx.tokens) - 1
-        self._catch_up(n)
-        k = min(ctx.k, self.k)
-        if k <= 0:
-            return DraftTree.chain(root, [])
+    def propose(self, ctxs) -> list[DraftTree]:
+        store, span = self._store(ctxs[0]), Span(ctxs)
+        self._catch_up(ctxs, store, span)
         m = self.model
+        ks = [min(c.k, self.k) for c in ctxs]
+        K, B = max(ks), len(ctxs)
         s0 = m.config.first_slot
-        h = m.draft_block(self.kv, root, n)[s0:s0 + k]  # (k, H)
-        logits = m.draft_logits(h)  # (k, V)
-        drafts, qs = [], []
-        prev = torch.tensor([root], device=h.device)
-        state = None
-        for p in range(k):
+        dev = m.fc.weight.device
+        roots = torch.tensor([c.tokens[-1] for c in ctxs], device=dev)
+        n = torch.tensor([c.root_position for c in ctxs], device=dev)
+        h = span.pick(m.draft_block(store, span, span.spread(roots), span.spread(n)))[:, s0:s0 + K]  # (B, K, H)
+        logits = m.draft_logits(h)  # (B, K, V)
+        drafts = [[] for _ in ctxs]
+        qs = [[] for _ in ctxs]
+        live = list(ks)  # drafts each row still takes (the confidence cut ends a row's chain early)
+        prev, state = roots, None
+        for p in range(K):
             if m.has_confidence and self.threshold > 0:
-                c = torch.sigmoid(m.confidence_logit(h[p:p + 1], prev))
-                if float(c) < self.threshold:
-                    break
-            lp = logits[p:p + 1]
+                conf = torch.sigmoid(m.confidence_logit(h[:, p], prev)).view(B).tolist()
+                for b in range(B):
+                    if p < live[b] and conf[b] < self.threshold:
+                        live[b] = p
+            lp = logits[:, p]
             if m.has_markov:
-                bias, state = m.markov_bias(prev, h[p:p + 1], state)
+                bias, state = m.markov_bias(prev, h[:, p], state)
                 lp = lp + bias
-            if ctx.params.greedy:
-                tok = int(lp.argmax())
-            else:
-                q = probs_from_logits(lp[0], ctx.params)
-                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
-                qs.append(q)
-            drafts.append(tok)
-            prev = torch.tensor([tok], device=h.device)
-        return DraftTree.chain(root, drafts, torch.stack(qs) if qs else None)
+            best = lp.argmax(-1).tolist()
+            nxt = list(best)
+            for b, c in enumerate(ctxs):
+                if p >= live[b]:
+                    continue
+                if c.params.greedy:
+                    tok = best[b]
+                else:
+                    q = probs_from_logits(lp[b], c.params)
+                    tok = int(torch.multinomial(q, 1, generator=c.generator))
+                    qs[b].append(q)
+                drafts[b].append(tok)
+                nxt[b] = tok
+            prev = torch.tensor(nxt, device=dev)
+        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
 
 
 @register("dflash")

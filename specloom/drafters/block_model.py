@@ -241,30 +241,37 @@ class BlockDraftModel(nn.Module):
         return self.norm(x)
 
     # -- inference -------------------------------------------------------------------------------------------
-    def new_kv(self, max_len: int, dtype=None) -> KVCache:
+    def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
         c = self.config
         dev = self.fc.weight.device
         dt = dtype or (torch.float32 if dev.type == "cpu" else self.dtype)
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dt, dev)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dt, dev, batch)
 
-    def extend(self, kv: KVCache, features: torch.Tensor) -> None:
-        """Append the context keys/values of the next committed positions (features (1, m, F)) to kv."""
-        m = features.shape[1]
-        start = kv.reserve(m)
-        pos = torch.arange(start, start + m, device=features.device)[None]
-        for i, (k, v) in enumerate(self.context_kv(features, pos)):
-            kv.write(i, start, k.to(kv.dtype), v.to(kv.dtype))
-        kv.commit()
+    def extend(self, kv, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the context keys/values of features (B, m, F) at RoPE positions (B, m) through the pass `kv`
+        (rows of the drafter's store; the caller commits)."""
+        kv.set_positions(positions)
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            kv.write(i, k.to(kv.kv.dtype), v.to(kv.kv.dtype))
 
-    def draft_block(self, kv: KVCache, anchor: int, position: int) -> torch.Tensor:
-        """One block [anchor, MASK ...] at positions position.. over the cached context -> slot hidden (B, H)."""
+    def draft_block(self, kv: KVCache, span, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One block [anchor, MASK ...] per row of `span` (anchors, positions (n,)) over each row's cached context
+        -> slot hidden (n, block_size, H)."""
         c = self.config
         dev = self.fc.weight.device
-        toks = torch.tensor([[anchor] + [c.mask_token_id] * (c.block_size - 1)], device=dev)
-        pos = torch.arange(position, position + c.block_size, device=dev)[None]
-        S = kv.length
-        ctx = [(k[:, :, :S], v[:, :, :S]) for k, v in kv.layers]
-        return self.block_hidden(toks, pos, ctx)[0]
+        n, bs = anchors.shape[0], c.block_size
+        toks = torch.full((n, bs), c.mask_token_id, dtype=torch.long, device=dev)
+        toks[:, 0] = anchors
+        pos = positions[:, None] + torch.arange(bs, device=dev)
+        rows = range(span.lo, span.lo + span.n)
+        lengths = [kv.lengths[r] for r in rows]
+        S = max(lengths)
+        ctx = [(k[span.lo:span.lo + n, :, :S], v[span.lo:span.lo + n, :, :S]) for k, v in zip(kv.k, kv.v)]
+        see = None
+        if min(lengths) != S:  # ragged rows: each sees its own context only
+            see = (torch.arange(S, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None])
+            see = see[:, None].expand(n, bs, S)
+        return self.block_hidden(toks, pos, ctx, see)
 
     # -- training --------------------------------------------------------------------------------------------
     def train_blocks(self, features, tokens, valid, anchors) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..errors import SpecloomError
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
+from .rows import Span, own_store
 
 DEFAULT_K = 4
 
@@ -41,16 +42,13 @@ class DraftModelDrafter(Drafter):
         self.model = model
         self.k = k
         self.width = tree_width
-        self.kv = None
-        self._seen = 0  # sequence tokens whose KV the draft cache holds
 
     def memory(self) -> dict:
         from .base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        dt = self.kv.dtype if self.kv is not None else torch.float32
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, dt)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self.model.kv_dtype())}
 
     @classmethod
     def check(cls, spec, target_config) -> None:
@@ -83,88 +81,112 @@ class DraftModelDrafter(Drafter):
     def num_speculative_tokens(self) -> int:
         return self.k
 
-    def _ensure_kv(self, need: int) -> None:
-        if self.kv is None or self.kv.max_len < need:
-            self.kv = self.model.new_kv(max(need, 2048))
-            self._seen = 0
+    def new_state(self) -> dict:
+        return {"seen": 0}  # sequence tokens whose KV the drafter's store holds
+
+    def _store(self, ctx):
+        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, batch=rows))
 
     def prefill(self, ctx: DraftContext, target_out) -> None:
-        self._ensure_kv(len(ctx.tokens) + 4096)
-        self.kv.reset()
-        self._seen = 0
+        self._store(ctx).truncate(0, row=ctx.row)
+        ctx.state["seen"] = 0
+
+    def _feed(self, store, span, ctxs, tokens: list[list[int]], positions: list[list[int]], mask=None,
+              last_only: bool = True) -> torch.Tensor:
+        """One draft pass over every row's `tokens` (ragged) -> logits (B, V) after each row's last token, or
+        (B, T, V) for all of them."""
+        dev = self.model.device
+        m = [len(t) for t in tokens]
+        M = max(m)
+        x = torch.tensor([t + [0] * (M - len(t)) for t in tokens], device=dev)
+        pos = torch.tensor([p + [p[-1]] * (M - len(p)) for p in positions], device=dev)
+        kvp = span.begin(store, m)
+        L = self.model.config.num_layers
+        if last_only:  # the final hidden state of every position, logits at each row's last one only
+            hid = self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask, capture=(L,), num_logits=1)
+            h = span.pick(hid.hidden[L])
+            out = self.model.logits(h[torch.arange(len(m), device=dev), torch.tensor(m, device=dev) - 1])
+        else:
+            out = span.pick(self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask).logits)
+        span.commit(store)
+        return out
 
     @torch.inference_mode()
-    def _step(self, tokens: list[int]) -> torch.Tensor:
-        """Feed `tokens` at the next positions; return the logits (V,) after the last one."""
-        start = self.kv.length
-        x = torch.tensor([tokens], device=self.model.device)
-        pos = torch.arange(start, start + len(tokens), device=self.model.device)[None]
-        logits = self.model(x, pos, self.kv, num_logits=1).logits[0, -1]
-        self.kv.commit()
-        return logits
-
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        root = ctx.tokens[-1]
-        if ctx.k <= 0:
-            return DraftTree.chain(root, [])
-        self._ensure_kv(len(ctx.tokens) + ctx.k * self.width + 1)
-        self.kv.truncate(min(self._seen, len(ctx.tokens) - 1))
-        logits = self._step(ctx.tokens[self.kv.length:])
+    def propose(self, ctxs) -> list[DraftTree]:
+        store, span = self._store(ctxs[0]), Span(ctxs)
+        feed, pos = [], []
+        for c in ctxs:  # feed what the store has not seen (at least the root)
+            have = min(c.state["seen"], len(c.tokens) - 1)
+            store.truncate(have, row=c.row)
+            feed.append(c.tokens[have:])
+            pos.append(list(range(have, len(c.tokens))))
+        logits = self._feed(store, span, ctxs, feed, pos)
         if self.width > 1:
-            return self._propose_tree(ctx, logits)
-        drafts, qs = [], []
-        for i in range(ctx.k):
-            if ctx.params.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = probs_from_logits(logits, ctx.params)
-                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
-                qs.append(q)
-            drafts.append(tok)
-            if i + 1 < ctx.k:
-                logits = self._step([tok])
-        self._seen = self.kv.length  # = len(tokens) + k - 1
-        return DraftTree.chain(root, drafts, torch.stack(qs) if qs else None)
+            return self._propose_tree(ctxs, store, span, logits)
+        K = max(c.k for c in ctxs)
+        drafts = [[] for _ in ctxs]
+        qs = [[] for _ in ctxs]
+        for i in range(K):
+            best = logits.argmax(-1).tolist()
+            for b, c in enumerate(ctxs):
+                if i >= c.k:
+                    continue
+                if c.params.greedy:
+                    tok = best[b]
+                else:
+                    q = probs_from_logits(logits[b], c.params)
+                    tok = int(torch.multinomial(q, 1, generator=c.generator))
+                    qs[b].append(q)
+                drafts[b].append(tok)
+            if i + 1 < K:
+                logits = self._feed(store, span, ctxs, [[d[-1]] for d in drafts],
+                                    [[len(c.tokens) + i] for c in ctxs])
+        for c in ctxs:
+            c.state["seen"] = len(c.tokens) + c.k - 1
+        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
 
-    @torch.inference_mode()
-    def _propose_tree(self, ctx: DraftContext, root_logits: torch.Tensor) -> DraftTree:
-        base = len(ctx.tokens)  # the draft KV holds the whole sequence, root included
-        tokens, parents, score = [ctx.tokens[-1]], [-1], [0.0]
-        frontier, frontier_logits = [0], root_logits[None]  # tree nodes whose children are expanded next
-        anc = [[]]  # tree-node ancestors of each node (root excluded: it is in the prefix)
-        for depth in range(1, ctx.k + 1):
-            logp = torch.log_softmax(frontier_logits.float(), dim=-1)  # (F, V)
-            top = logp.topk(self.width, dim=-1)
-            cand = [(score[f] + float(v), f, int(t)) for i, f in enumerate(frontier)
-                    for v, t in zip(top.values[i].tolist(), top.indices[i].tolist())]
-            cand.sort(key=lambda c: -c[0])
-            new = []
-            for s_, f, t in cand[:self.width]:
-                parents.append(f)
-                tokens.append(t)
-                score.append(s_)
-                anc.append(anc[f] + ([f] if f else []))
-                new.append(len(tokens) - 1)
-            if depth == ctx.k:
+    def _propose_tree(self, ctxs, store, span, root_logits: torch.Tensor) -> list[DraftTree]:
+        """Beam-style trees for all rows at once: per depth the w best new nodes of each row, one draft pass."""
+        w, B, dev = self.width, len(ctxs), root_logits.device
+        K = max(c.k for c in ctxs)
+        base = [len(c.tokens) for c in ctxs]  # the store holds the whole sequence, root included
+        logp = torch.log_softmax(root_logits.float(), -1)[:, None]  # (B, F=1, V)
+        score = torch.zeros(B, 1, device=dev)
+        node_tok, node_par = [], []  # per depth (B, w): tokens, parent node ids
+        anc = torch.zeros(B, 1, 0, dtype=torch.bool, device=dev)  # frontier ancestors among tree slots
+        eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
+        for depth in range(1, K + 1):
+            Fn = logp.shape[1]
+            top = logp.topk(w, dim=-1)  # (B, F, w)
+            cand = (score[..., None] + top.values).reshape(B, Fn * w)
+            sel = cand.topk(w, -1).indices  # (B, w), best first
+            par = sel // w  # frontier index of each new node's parent
+            first = 0 if depth == 1 else 1 + (depth - 2) * w  # node id of frontier index 0
+            node_tok.append(top.indices.reshape(B, Fn * w).gather(1, sel))
+            node_par.append(par if depth == 1 else first + par)
+            if depth == 1:
+                node_par[-1] = torch.zeros_like(par)
+            if depth == K:
                 break
-            # one draft pass over the new nodes: each sees the prefix, its own tree ancestors and itself
-            start = self.kv.length
-            T = len(new)
-            mask = torch.zeros(T, start + T, dtype=torch.bool, device=self.model.device)
-            mask[:, :base] = True
-            for row, node in enumerate(new):
-                for a in anc[node]:
-                    mask[row, base + a - 1] = True  # tree node a sits at draft-KV slot base + a - 1
-                mask[row, start + row] = True
-            x = torch.tensor([[tokens[n] for n in new]], device=self.model.device)
-            pos = torch.full((1, T), base - 1 + depth, device=self.model.device)
-            frontier_logits = self.model(x, pos, self.kv, attn_mask=mask).logits[0]
-            self.kv.commit()
-            frontier = new
-        self.kv.truncate(base)  # drop the tree nodes; accepted tokens are re-fed next step
-        self._seen = base
-        return DraftTree(tokens, parents)
+            score = cand.gather(1, sel)
+            anc = torch.cat([anc.gather(1, par[..., None].expand(B, w, anc.shape[-1])),
+                             torch.nn.functional.one_hot(par, w).bool() if depth > 1 else
+                             torch.zeros(B, w, 0, dtype=torch.bool, device=dev)], -1)
+            mask = span.spread(torch.cat([anc, eye], -1), True)
+            toks = node_tok[-1].tolist()
+            logits = self._feed(store, span, ctxs, toks, [[b - 1 + depth] * w for b in base], mask, last_only=False)
+            logp = torch.log_softmax(logits.float(), -1)  # (B, w, V)
+        tok_l = torch.cat(node_tok, 1).tolist()
+        par_l = torch.cat(node_par, 1).tolist()
+        trees = []
+        for b, c in enumerate(ctxs):
+            store.truncate(base[b], row=c.row)  # drop the tree nodes; accepted tokens are re-fed next step
+            c.state["seen"] = base[b]
+            n = c.k * w
+            trees.append(DraftTree([c.tokens[-1]] + tok_l[b][:n], [-1] + par_l[b][:n]))
+        return trees
 
-    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
+    def on_verified(self, ctxs, results, target_out) -> None:
         # valid draft KV: the sequence up to the root, plus the accepted drafts that were fed (all but the last)
-        self._seen = min(self._seen, len(ctx.tokens) + result.num_accepted)
+        for c, res in zip(ctxs, results):
+            c.state["seen"] = min(c.state["seen"], len(c.tokens) + res.num_accepted)

@@ -23,8 +23,20 @@ import torch
 from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
+from .rows import Span, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
+
+
+class _State:
+    """Per row: target features of committed positions not yet fed to the drafter; the drafter rows committed
+    before this step's tree rows (per store)."""
+
+    __slots__ = ("feats", "base")
+
+    def __init__(self):
+        self.feats: list[torch.Tensor] = []
+        self.base: list[int] = []
 
 
 class EagleDrafter(Drafter):
@@ -36,9 +48,6 @@ class EagleDrafter(Drafter):
         self.width = width
         self.num_nodes = num_nodes or depth * width
         self.needs_hidden = tuple(model.config.feature_ids)
-        self.kv = None
-        self.stable = 0  # drafter KV rows for committed positions 0..stable-1
-        self._feats: list[torch.Tensor] = []  # target features of positions stable.. not yet fed
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -72,74 +81,107 @@ class EagleDrafter(Drafter):
         from .base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        dt = self.kv.dtype if self.kv is not None else torch.float32
-        return {"weights": module_bytes(self.model), "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, dt)}
+        return {"weights": module_bytes(self.model),
+                "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, self._kv_dtype())}
+
+    def _kv_dtype(self):
+        return torch.float32 if self.model.fc.weight.device.type == "cpu" else self.model.dtype
 
     # -- state -----------------------------------------------------------------------------------------------
-    def _features(self, target_out, rows=None) -> torch.Tensor:
-        f = torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)[0]  # (T, F)
-        return f if rows is None else f[rows]
+    def new_state(self) -> _State:
+        return _State()
+
+    def _stores(self, ctx) -> list:
+        """The drafter's companion stores of the row's target store, one per drafter layer (EAGLE: one)."""
+        return [own_store(ctx, self, lambda rows, n: self.model.new_kv(n, rows))]
+
+    def _features(self, target_out) -> torch.Tensor:
+        return torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)  # (B, T, F)
 
     def prefill(self, ctx: DraftContext, target_out) -> None:
-        n = len(ctx.tokens)
-        if self.kv is None or self.kv.max_len < n + 4096:
-            self.kv = self.model.new_kv(n + 4096)
-        self.kv.reset()
-        self.stable = 0
-        self._feats = [self._features(target_out)]  # prefill captures every prompt position
+        for store in self._stores(ctx):
+            store.truncate(0, row=ctx.row)
+        ctx.state.feats = [self._features(target_out)[0]]  # prefill captures every prompt position
+        self._reset(ctx)
 
-    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
-        self._feats.append(self._features(target_out, torch.tensor(result.path)))
+    def _reset(self, ctx) -> None:
+        pass
+
+    def on_verified(self, ctxs, results, target_out) -> None:
+        f = self._features(target_out)
+        for ctx, res in zip(ctxs, results):
+            ctx.state.feats.append(f[ctx.row, torch.tensor(res.path, device=f.device)])
+
+    def _take_feats(self, ctxs) -> list[torch.Tensor]:
+        feats = []
+        for c in ctxs:
+            feats.append(torch.cat(c.state.feats) if len(c.state.feats) > 1 else c.state.feats[0])
+            c.state.feats = []
+        return feats
 
     @torch.inference_mode()
-    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
-        """Feed the committed positions the drafter has not seen; return h* (1, H), whose logits score the
-        root's children."""
-        n = len(ctx.tokens) - 1  # root position
-        feats = torch.cat(self._feats)[None]  # (1, m, F): positions stable .. n-1
-        self._feats = []
-        m = feats.shape[1]
-        if self.stable + m != n:
-            raise RuntimeError(f"eagle drafter out of step: {self.stable} + {m} rows for root position {n}")
-        dev = feats.device
-        toks = torch.tensor([ctx.tokens[self.stable + 1:n + 1]], device=dev)
-        pos = torch.arange(self.stable, n, device=dev)[None]
-        self.kv.truncate(self.stable)
-        if self.kv.max_len < n + self.num_nodes + self.depth + 64:
-            self.kv = self.kv.grown(n + 4096)
-        h = self.model(self.model.input_hidden(feats, toks), toks, pos, self.kv)
-        self.kv.commit()
-        self.stable = n
-        return h[:, -1]
+    def _catch_up(self, ctxs) -> torch.Tensor:
+        """Feed every row the committed positions the drafter has not seen (one ragged pass); return h* (B, H),
+        whose logits score each root's children."""
+        store = self._stores(ctxs[0])[0]
+        feats = self._take_feats(ctxs)
+        m = [f.shape[0] for f in feats]
+        span = Span(ctxs)
+        M, dev = max(m), feats[0].device
+        F = torch.zeros(len(ctxs), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
+        toks = torch.zeros(len(ctxs), M, dtype=torch.long)
+        pos = torch.zeros(len(ctxs), M, dtype=torch.long)
+        for b, c in enumerate(ctxs):
+            n, stable = c.root_position, store.lengths[c.row]
+            if stable + m[b] != n:
+                raise RuntimeError(f"eagle drafter out of step: {stable} + {m[b]} rows for root position {n}")
+            F[b, :m[b]] = feats[b]
+            toks[b, :m[b]] = torch.tensor(c.tokens[stable + 1:n + 1])
+            pos[b] = torch.arange(stable, stable + M)
+        toks, pos = toks.to(dev), pos.to(dev)
+        p = span.begin(store, m)
+        sp_toks, sp_pos = span.spread(toks), span.spread(pos)
+        h = self.model(self.model.input_hidden(span.spread(F), sp_toks), sp_toks, sp_pos, p)
+        span.commit(store)
+        last = torch.tensor(m, device=dev) - 1
+        return span.pick(h)[torch.arange(len(ctxs), device=dev), last]
 
-    def _row(self, h, tokens: list[int], depth: int, n: int, mask=None):
-        """Append rows of draft depth `depth` (reading `tokens`, one per row of h) to the drafter KV."""
+    def _rows(self, h, tokens, depth: int, ctxs, span, mask=None):
+        """Append T rows of draft depth `depth` per call row (h (B, T, H) the hidden they read, tokens (B, T))
+        to the store of that depth; returns their outputs (B, T, H)."""
+        store = self._stores(ctxs[0])[self._layer(depth)]
         dev = h.device
-        t = torch.tensor([tokens], device=dev)
-        pos = torch.full((1, len(tokens)), self._position(n, depth), device=dev)
-        out = self.model(self.model.next_input(h[None], t), t, pos, self.kv, attn_mask=mask)
-        self.kv.commit()
-        return out[0]
+        B, T = tokens.shape
+        pos = torch.tensor([[self._position(c.root_position, depth)] * T for c in ctxs], device=dev)
+        p = span.begin(store, [T] * B)
+        t = span.spread(tokens)
+        out = self.model(self.model.next_input(span.spread(h), t), t, span.spread(pos), p,
+                         attn_mask=None if mask is None else span.spread(mask, True))
+        span.commit(store)
+        return span.pick(out)
 
     # -- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        root = ctx.tokens[-1]
-        h = self._catch_up(ctx)
-        if ctx.k <= 0:
-            return DraftTree.chain(root, [])
-        if self.width == 1:
-            return self._chain(ctx, h)
-        return self._tree(ctx, h)
+    def propose(self, ctxs) -> list[DraftTree]:
+        h = self._catch_up(ctxs)
+        if h is None:
+            return [DraftTree.chain(c.tokens[-1], []) for c in ctxs]
+        for c in ctxs:
+            c.state.base = [s.lengths[c.row] for s in self._stores(c)]
+        span = Span(ctxs)
+        try:
+            if self.width == 1:
+                return self._chain(ctxs, h, span)
+            return self._tree(ctxs, h, span)
+        finally:
+            for c in ctxs:  # tree rows are dropped: only committed positions stay
+                for s, n in zip(self._stores(c), c.state.base):
+                    s.truncate(n, row=c.row)
 
-    # -- hooks (MTP overrides them: one drafter layer and KV cache per depth) -----------------------------------
-    def _kv(self, depth: int):
-        """The drafter KV cache that rows of this draft depth are appended to."""
-        return self.kv
-
-    def _base(self, depth: int) -> int:
-        """Committed rows in `_kv(depth)` (tree rows go after them and are dropped after proposing)."""
-        return self.stable
+    # -- hooks (MTP overrides them: one drafter layer and KV store per depth) ----------------------------------
+    def _layer(self, depth: int) -> int:
+        """Which of `_stores` rows of this draft depth are appended to."""
+        return 0
 
     def _position(self, n: int, depth: int) -> int:
         """RoPE position of a depth-`depth` row (it reads the token drafted at depth `depth`); n = root position.
@@ -147,87 +189,84 @@ class EagleDrafter(Drafter):
         return n + depth - 1
 
     def _logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
-        """Draft-vocabulary logits of a depth-`depth` row's output (depth 0: the catch-up's last row)."""
+        """Draft-vocabulary logits (N, V_d) of depth-`depth` outputs h (N, H) (depth 0: the catch-up's)."""
         return self.model.draft_logits(h)
 
-    def _drop_tree_rows(self) -> None:
-        self.kv.truncate(self.stable)
-
-    def _chain(self, ctx: DraftContext, h: torch.Tensor) -> DraftTree:
+    def _chain(self, ctxs, h: torch.Tensor, span) -> list[DraftTree]:
         m = self.model
-        n = len(ctx.tokens) - 1
-        drafts, qs = [], []
-        for i in range(ctx.k):
-            logits = self._logits(h, i)[0]
-            if ctx.params.greedy:
-                tok = int(m.to_target_ids(logits.argmax()))
-            else:
-                q = probs_from_logits(m.expand_logits(logits), ctx.params)
-                tok = int(torch.multinomial(q, 1, generator=ctx.generator))
-                qs.append(q)
-            drafts.append(tok)
-            if i + 1 < ctx.k:
-                h = self._row(h, [tok], i + 1, n)
-        self._drop_tree_rows()
-        return DraftTree.chain(ctx.tokens[-1], drafts, torch.stack(qs) if qs else None)
+        K = max(c.k for c in ctxs)
+        drafts = [[] for _ in ctxs]
+        qs = [[] for _ in ctxs]
+        for i in range(K):
+            logits = self._logits(h, i)  # (B, V_d)
+            best = m.to_target_ids(logits.argmax(-1)).tolist()
+            for b, c in enumerate(ctxs):
+                if i >= c.k:
+                    continue
+                if c.params.greedy:
+                    tok = best[b]
+                else:
+                    q = probs_from_logits(m.expand_logits(logits[b]), c.params)
+                    tok = int(torch.multinomial(q, 1, generator=c.generator))
+                    qs[b].append(q)
+                drafts[b].append(tok)
+            if i + 1 < K:
+                toks = torch.tensor([[d[-1]] for d in drafts], device=h.device)
+                h = self._rows(h[:, None], toks, i + 1, ctxs, span)[:, 0]
+        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
 
-    def _tree(self, ctx: DraftContext, h_star: torch.Tensor) -> DraftTree:
-        m = self.model
-        w = self.width
-        n = len(ctx.tokens) - 1
-        dev = h_star.device
-        lp = torch.log_softmax(self._logits(h_star, 0)[0], -1)
-        top = lp.topk(w)
-        # candidates: target token id, cumulative log-prob score, parent candidate (-1 = root)
-        cand_tok = m.to_target_ids(top.indices).tolist()
-        cand_score = top.values.tolist()
-        cand_parent = [-1] * w
-        frontier = list(range(w))
-        frontier_h = h_star.expand(w, -1)
-        slot_of: dict[int, tuple[int, int]] = {}  # expanded candidate -> (its depth, its drafter KV slot)
-        anc_slots: dict[int, list[tuple[int, int]]] = {c: [] for c in frontier}
-        for depth in range(1, ctx.k):
-            kv = self._kv(depth)
-            start = kv.length
-            T = len(frontier)
-            mask = torch.zeros(T, start + T, dtype=torch.bool, device=dev)
-            mask[:, :self._base(depth)] = True
-            for r, c in enumerate(frontier):
-                for d, s in anc_slots[c]:
-                    if self._kv(d) is kv:  # ancestors cached in the same KV (all of them for EAGLE)
-                        mask[r, s] = True
-                mask[r, start + r] = True
-                slot_of[c] = (depth, start + r)
-            out = self._row(frontier_h, [cand_tok[c] for c in frontier], depth, n, mask)  # (T, H)
-            lp = torch.log_softmax(self._logits(out, depth), -1)  # (T, V_d)
-            ctop = lp.topk(w, dim=-1)
-            scores = torch.tensor([cand_score[c] for c in frontier], device=dev)[:, None] + ctop.values  # (T, w)
-            toks = m.to_target_ids(ctop.indices).tolist()
-            first_new = len(cand_tok)
-            flat_scores = scores.flatten()
-            score_list = flat_scores.tolist()
-            for r, c in enumerate(frontier):
-                cand_tok.extend(toks[r])
-                cand_score.extend(score_list[r * w:(r + 1) * w])
-                cand_parent.extend([c] * w)
-            if depth + 1 >= ctx.k:
+    def _tree(self, ctxs, h_star: torch.Tensor, span) -> list[DraftTree]:
+        """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass."""
+        m, w = self.model, self.width
+        B, dev = len(ctxs), h_star.device
+        K = max(c.k for c in ctxs)
+        lp = torch.log_softmax(self._logits(h_star, 0), -1)  # (B, V_d)
+        top = lp.topk(w, -1)
+        # candidates per row: target token, cumulative log-prob score, parent candidate (-1 = root), depth
+        toks, scores = [m.to_target_ids(top.indices)], [top.values]
+        parents, depths = [torch.full((B, w), -1, device=dev)], [1]
+        frontier = torch.arange(w, device=dev).expand(B, w)  # candidate ids of the frontier
+        frontier_h = h_star[:, None].expand(B, w, h_star.shape[-1])
+        anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)  # frontier ancestors among this step's tree rows
+        eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
+        layers = []  # the store of each depth's rows
+        for depth in range(1, K):
+            layer = self._layer(depth)
+            same = [j for j, lay in enumerate(layers) if lay == layer]  # earlier depths cached in the same store
+            cols = anc.view(B, w, len(layers), w)[:, :, same].reshape(B, w, len(same) * w)
+            layers.append(layer)
+            all_tok, all_score = torch.cat(toks, 1), torch.cat(scores, 1)
+            out = self._rows(frontier_h, all_tok.gather(1, frontier), depth, ctxs, span,
+                             torch.cat([cols, eye], -1))  # (B, w, H)
+            lp = torch.log_softmax(self._logits(out.reshape(B * w, -1), depth), -1).view(B, w, -1)
+            ctop = lp.topk(w, dim=-1)  # (B, w, w)
+            sc = all_score.gather(1, frontier)[..., None] + ctop.values
+            first_new = all_tok.shape[1]
+            toks.append(m.to_target_ids(ctop.indices).reshape(B, w * w))
+            scores.append(sc.reshape(B, w * w))
+            parents.append(frontier[..., None].expand(B, w, w).reshape(B, w * w))
+            depths.append(depth + 1)
+            if depth + 1 >= K:
                 break
-            sel = flat_scores.topk(min(w, flat_scores.numel())).indices.tolist()
-            new_frontier = [first_new + s for s in sel]
-            for c in new_frontier:
-                p = cand_parent[c]
-                anc_slots[c] = anc_slots[p] + [slot_of[p]]
-            frontier_h = out[torch.tensor([s // w for s in sel], device=dev)]
-            frontier = new_frontier
-        self._drop_tree_rows()
-        # rerank: the best num_nodes candidates (ties: lower id = the parent first), kept in id order
-        budget = self.num_nodes if ctx.max_nodes is None else min(self.num_nodes, ctx.max_nodes)
-        order = sorted(range(len(cand_tok)), key=lambda c: (-cand_score[c], c))[:budget]
-        keep = sorted(order)
-        node_of = {c: i + 1 for i, c in enumerate(keep)}
-        tokens = [ctx.tokens[-1]] + [cand_tok[c] for c in keep]
-        parents = [-1] + [0 if cand_parent[c] < 0 else node_of[cand_parent[c]] for c in keep]
-        return DraftTree(tokens, parents)
+            sel = sc.reshape(B, w * w).topk(w, -1).indices  # (B, w)
+            par = sel // w  # which frontier node each new frontier node hangs from
+            anc = torch.cat([anc.gather(1, par[..., None].expand(B, w, anc.shape[-1])),
+                             torch.nn.functional.one_hot(par, w).bool()], -1)
+            frontier_h = out.gather(1, par[..., None].expand(B, w, out.shape[-1]))
+            frontier = first_new + sel
+        depth_of = [d for i, d in enumerate(depths) for _ in range(toks[i].shape[1])]
+        tok_l, score_l, par_l = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
+        trees = []
+        for b, c in enumerate(ctxs):
+            # rerank: the best num_nodes candidates (ties: lower id = the parent first), kept in id order
+            budget = self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes)
+            ids = [i for i in range(len(depth_of)) if depth_of[i] <= c.k]
+            keep = sorted(sorted(ids, key=lambda i: (-score_l[b][i], i))[:budget])
+            node_of = {i: j + 1 for j, i in enumerate(keep)}
+            tokens = [c.tokens[-1]] + [tok_l[b][i] for i in keep]
+            parent = [-1] + [0 if par_l[b][i] < 0 else node_of[par_l[b][i]] for i in keep]
+            trees.append(DraftTree(tokens, parent))
+        return trees
 
 
 @register("eagle")

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..config import RopeScaling
 from ..kv import KVCache
+from ..models.context import attention_context
 from ..models.layers import RMSNorm, Rope, apply_rope
 
 
@@ -182,30 +183,29 @@ class EagleDraftModel(nn.Module):
         return out
 
     # -- inference -------------------------------------------------------------------------------------------
-    def forward(self, u: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+    def forward(self, u: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One pass over T rows appended to the drafter KV. u: (B, T, H) input hidden (`input_hidden` for target
-        rows, a previous output for drafted rows); attn_mask (T, kv.length + T) bool or None = causal.
-        Returns the output hidden h (B, T, H) (pre-norm)."""
+        """One pass over T rows appended to the drafter KV (`kv` a store or a pass over some of its rows, see
+        kv.py). u: (B, T, H) input hidden (`input_hidden` for target rows, a previous output for drafted rows);
+        attn_mask as for the target (models/context.py), None = causal. Returns the output hidden h (B, T, H)
+        (pre-norm)."""
         layer = self.layers[0]
-        B, T = tokens.shape
-        start = kv.reserve(T)
+        kvp = kv.open(tokens.shape[1])
         cos, sin = self.rope(positions, u.dtype)
+        ctx = attention_context(kvp, positions, attn_mask, {})
         a = layer.attn_input(self.embed(tokens), u) if self.config.eagle3 else u
         q, k, v = layer.self_attn.qkv(a, cos, sin)
-        keys, values = kv.write(0, start, k.to(kv.dtype), v.to(kv.dtype))
-        S = start + T
-        if attn_mask is None:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=u.device).tril(start)
-        o = F.scaled_dot_product_attention(q.to(kv.dtype), keys, values, attn_mask=attn_mask,
-                                           scale=layer.self_attn.scale,
+        keys, values = kvp.write(0, k.to(kvp.kv.dtype), v.to(kvp.kv.dtype))
+        mask = ctx.masks.get("full")
+        o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask,
+                                           is_causal=ctx.causal and mask is None, scale=layer.self_attn.scale,
                                            enable_gqa=layer.self_attn.n_kv != layer.self_attn.n_heads)
         return layer.finish(u, layer.self_attn.out(o.to(u.dtype)))
 
-    def new_kv(self, max_len: int, dtype=None) -> KVCache:
+    def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
         c = self.config
         dt = dtype or (torch.float32 if self.fc.weight.device.type == "cpu" else self.dtype)
-        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, dt, self.fc.weight.device)
+        return KVCache(1, c.num_kv_heads, c.head_dim, max_len, dt, self.fc.weight.device, batch)
 
     # -- training --------------------------------------------------------------------------------------------
     def ttt_forward(self, features: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, steps: int):

@@ -89,7 +89,6 @@ class MedusaDrafter(Drafter):
         self.choices = sorted(choices, key=lambda x: (len(x), x))
         self._check_choices()
         self.depth = max(len(c) for c in self.choices)
-        self._h = None
 
     def memory(self) -> dict:
         from .base import module_bytes
@@ -127,23 +126,31 @@ class MedusaDrafter(Drafter):
     def num_speculative_tokens(self) -> int:
         return self.depth
 
-    def prefill(self, ctx: DraftContext, target_out) -> None:
-        self._h = target_out.hidden[self.needs_hidden[0]][0, -1]
+    def new_state(self) -> dict:
+        return {"h": None}  # the target's hidden state at the deepest accepted node
 
-    def on_verified(self, ctx: DraftContext, result, target_out) -> None:
-        self._h = target_out.hidden[self.needs_hidden[0]][0, result.path[-1]]
+    def prefill(self, ctx: DraftContext, target_out) -> None:
+        ctx.state["h"] = target_out.hidden[self.needs_hidden[0]][0, -1]
+
+    def on_verified(self, ctxs, results, target_out) -> None:
+        hid = target_out.hidden[self.needs_hidden[0]]
+        for ctx, res in zip(ctxs, results):
+            ctx.state["h"] = hid[ctx.row, res.path[-1]]
 
     @torch.inference_mode()
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        root = ctx.tokens[-1]
-        choices = [c for c in self.choices if len(c) <= ctx.k]
-        if not choices:
-            return DraftTree.chain(root, [])
-        top = self.heads.logits(self._h).topk(TOPK, dim=-1).indices.tolist()  # (K, TOPK)
-        node_of = {(): 0}
-        tokens, parents = [root], [-1]
-        for c in choices:
-            node_of[tuple(c)] = len(tokens)
-            parents.append(node_of[tuple(c[:-1])])
-            tokens.append(top[len(c) - 1][c[-1]])
-        return DraftTree(tokens, parents)
+    def propose(self, ctxs) -> list[DraftTree]:
+        """All rows' heads in one call (K, B, V); each row's static tree cut to its depth."""
+        top = self.heads.logits(torch.stack([c.state["h"] for c in ctxs])).topk(TOPK, dim=-1).indices.tolist()
+        trees = []
+        for b, ctx in enumerate(ctxs):
+            root = ctx.tokens[-1]
+            node_of = {(): 0}
+            tokens, parents = [root], [-1]
+            for c in self.choices:
+                if len(c) > ctx.k:
+                    continue
+                node_of[tuple(c)] = len(tokens)
+                parents.append(node_of[tuple(c[:-1])])
+                tokens.append(top[len(c) - 1][b][c[-1]])
+            trees.append(DraftTree(tokens, parents))
+        return trees

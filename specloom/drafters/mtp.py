@@ -24,8 +24,9 @@ import warnings
 
 import torch
 
-from .base import DraftContext, register
+from .base import register
 from .eagle import EagleDrafter
+from .rows import Span, own_store
 
 log = logging.getLogger("specloom")
 
@@ -54,11 +55,6 @@ class MTPDrafter(EagleDrafter):
         self.width = width
         self.num_nodes = num_nodes or depth * width
         self.needs_hidden = (mtp.config.num_layers,)  # the target's final (post-norm) hidden state
-        N = mtp.num_layers
-        self.kvs = [None] * N
-        self.stables = [0] * N
-        self._pending: list[torch.Tensor | None] = [None] * N  # h^{i-1} rows not yet fed to layer i
-        self._feats: list[torch.Tensor] = []
 
     @classmethod
     def check(cls, spec, target_config) -> None:
@@ -89,61 +85,75 @@ class MTPDrafter(EagleDrafter):
         from .base import kv_bytes_per_1k, module_bytes
 
         c = self.mtp.config
-        dt = self.kvs[0].dtype if self.kvs[0] is not None else torch.float32
         return {"weights": module_bytes(self.mtp),
-                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, dt)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())}
+
+    def _kv_dtype(self):
+        return torch.float32 if self.mtp.device.type == "cpu" else self.mtp.dtype
 
     # -- state -----------------------------------------------------------------------------------------------
-    def prefill(self, ctx: DraftContext, target_out) -> None:
-        n = len(ctx.tokens)
-        for i in range(self.mtp.num_layers):
-            if self.kvs[i] is None or self.kvs[i].max_len < n + 4096:
-                self.kvs[i] = self.mtp.new_kv(n + 4096)
-            self.kvs[i].reset()
-        self.stables = [0] * self.mtp.num_layers
-        self._pending = [None] * self.mtp.num_layers
-        self._feats = [self._features(target_out)]
+    def new_state(self) -> _MTPState:
+        return _MTPState(self.mtp.num_layers)
+
+    def _stores(self, ctx) -> list:
+        return [own_store(ctx, (self, i), lambda rows, n: self.mtp.new_kv(n, batch=rows))
+                for i in range(self.mtp.num_layers)]
+
+    def _reset(self, ctx) -> None:
+        ctx.state.pending = [None] * self.mtp.num_layers
 
     @torch.inference_mode()
-    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
-        """Feed every layer the committed rows it can now compute; return layer 0's output at row n-1."""
-        n = len(ctx.tokens) - 1
+    def _catch_up(self, ctxs) -> torch.Tensor:
+        """Feed every layer the committed rows it can now compute (one ragged pass per layer for all rows);
+        return layer 0's output at row n-1 of every row (B, H)."""
         m = self.mtp
         dev = m.device
-        h_in = torch.cat(self._feats)[None]  # (1, rows, H): target features for layer 0's new rows
-        self._feats = []
-        h0 = out = None
+        stores = self._stores(ctxs[0])
+        h_in = self._take_feats(ctxs)  # per row (rows, H): target features for layer 0's new rows
+        outs = [None] * len(ctxs)
+        h0 = None
         for i in range(m.num_layers):
-            kv = self.kvs[i]
-            kv.truncate(self.stables[i])
-            if kv.max_len < n + self.num_nodes + self.depth + 64:
-                self.kvs[i] = kv = kv.grown(n + 4096)
-            if i > 0:
-                pend = self._pending[i]
-                h_in = out if pend is None else torch.cat([pend, out], 1)
-            last = n - 1 - i  # the last row whose token x_{t+1+i} is committed
-            rows = last - self.stables[i] + 1
-            if rows <= 0:
-                self._pending[i] = h_in if h_in.shape[1] else None
-                out = h_in[:, :0]
+            store = stores[i]
+            go, sizes = [], []
+            for b, c in enumerate(ctxs):
+                if i > 0:
+                    pend = c.state.pending[i]
+                    h_in[b] = outs[b] if pend is None else torch.cat([pend, outs[b]])
+                last = c.root_position - 1 - i  # the last row whose token x_{t+1+i} is committed
+                rows = last - store.lengths[c.row] + 1
+                if rows <= 0:
+                    c.state.pending[i] = h_in[b] if h_in[b].shape[0] else None
+                    outs[b] = h_in[b][:0]
+                    continue
+                c.state.pending[i] = h_in[b][rows:] if h_in[b].shape[0] > rows else None
+                go.append(b)
+                sizes.append(rows)
+            if not go:
                 continue
-            self._pending[i] = h_in[:, rows:] if h_in.shape[1] > rows else None
-            start = self.stables[i]
-            toks = torch.tensor([ctx.tokens[start + 1 + i:last + 2 + i]], device=dev)
-            pos = torch.arange(start, last + 1, device=dev)[None]
-            out = m(i, h_in[:, :rows], toks, pos, kv)
-            kv.commit()
-            self.stables[i] = last + 1
+            sub = [ctxs[b] for b in go]
+            span = Span(sub)
+            M = max(sizes)
+            H = h_in[go[0]].shape[-1]
+            x = torch.zeros(len(go), M, H, dtype=h_in[go[0]].dtype, device=dev)
+            toks = torch.zeros(len(go), M, dtype=torch.long)
+            pos = torch.zeros(len(go), M, dtype=torch.long)
+            for j, (b, r) in enumerate(zip(go, sizes)):
+                c, start = ctxs[b], store.lengths[ctxs[b].row]
+                x[j, :r] = h_in[b][:r]
+                toks[j, :r] = torch.tensor(c.tokens[start + 1 + i:start + 1 + i + r])
+                pos[j] = torch.arange(start, start + M)
+            p = span.begin(store, sizes)
+            out = span.pick(m(i, span.spread(x), span.spread(toks.to(dev)), span.spread(pos.to(dev)), p))
+            span.commit(store)
+            for j, (b, r) in enumerate(zip(go, sizes)):
+                outs[b] = out[j, :r]
             if i == 0:
-                h0 = out[:, -1]
+                h0 = out[torch.arange(len(go), device=dev), torch.tensor(sizes, device=dev) - 1]
         return h0
 
     # -- hooks for EagleDrafter's chain / tree ---------------------------------------------------------------
-    def _kv(self, depth: int):
-        return self.kvs[depth % self.mtp.num_layers]
-
-    def _base(self, depth: int) -> int:
-        return self.stables[depth % self.mtp.num_layers]
+    def _layer(self, depth: int) -> int:
+        return depth % self.mtp.num_layers
 
     def _position(self, n: int, depth: int) -> int:
         return n - 1 + depth // self.mtp.num_layers
@@ -151,30 +161,22 @@ class MTPDrafter(EagleDrafter):
     def _logits(self, h, depth: int):
         return self.mtp.logits(depth % self.mtp.num_layers, h)
 
-    def _drop_tree_rows(self) -> None:
-        for kv, s in zip(self.kvs, self.stables):
-            kv.truncate(s)
-
-    def _row(self, h, tokens: list[int], depth: int, n: int, mask=None):
+    def _rows(self, h, tokens, depth: int, ctxs, span, mask=None):
+        store = self._stores(ctxs[0])[self._layer(depth)]
         dev = h.device
-        i = depth % self.mtp.num_layers
-        kv = self.kvs[i]
-        t = torch.tensor([tokens], device=dev)
-        pos = torch.full((1, len(tokens)), self._position(n, depth), device=dev)
-        if mask is None:  # a chain row sees the layer's committed rows and its own earlier rows of this step
-            mask = torch.ones(len(tokens), kv.length + len(tokens), dtype=torch.bool, device=dev)
-        out = self.mtp(i, h[None], t, pos, kv, attn_mask=mask)
-        kv.commit()
-        return out[0]
+        B, T = tokens.shape
+        pos = torch.tensor([[self._position(c.root_position, depth)] * T for c in ctxs], device=dev)
+        p = span.begin(store, [T] * B)
+        out = self.mtp(self._layer(depth), span.spread(h), span.spread(tokens), span.spread(pos), p,
+                       attn_mask=None if mask is None else span.spread(mask, True))
+        span.commit(store)
+        return span.pick(out)
 
-    @torch.inference_mode()
-    def propose(self, ctx: DraftContext):
-        from ..tree import DraftTree
 
-        root = ctx.tokens[-1]
-        h = self._catch_up(ctx)
-        if ctx.k <= 0 or h is None:
-            return DraftTree.chain(root, [])
-        if self.width == 1:
-            return self._chain(ctx, h)
-        return self._tree(ctx, h)
+class _MTPState:
+    __slots__ = ("feats", "base", "pending")
+
+    def __init__(self, layers: int):
+        self.feats: list[torch.Tensor] = []
+        self.base: list[int] = []
+        self.pending: list[torch.Tensor | None] = [None] * layers  # h^{i-1} rows not yet fed to layer i

@@ -24,7 +24,8 @@ from torch import nn
 
 from ..kv import KVCache
 from ..models import FAMILIES
-from ..models.layers import AttentionContext, RMSNorm, Rope
+from ..models.context import AttentionContext, attention_context
+from ..models.layers import RMSNorm, Rope
 
 
 class _SharedHead(nn.Module):
@@ -86,17 +87,13 @@ class MTPModel(nn.Module):
         layer = self.layers[i]
         return layer.eh_proj(torch.cat([layer.enorm(self.embed(tokens)), layer.hnorm(h_prev.to(self.dtype))], -1))
 
-    def forward(self, i: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+    def forward(self, i: int, h_prev: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows of module i appended to its KV cache `kv`. h_prev (B, T, H); tokens, positions (B, T); attn_mask
-        (T, kv.length + T) bool or None = causal. Returns the module's output h (B, T, H) (pre-norm)."""
-        B, T = tokens.shape
-        start = kv.reserve(T)
-        S = start + T
-        if attn_mask is None:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(start)
+        """Rows of module i appended to its KV store `kv` (a store or a pass over some of its rows). h_prev
+        (B, T, H); tokens, positions (B, T); attn_mask as for the target (models/context.py), None = causal.
+        Returns the module's output h (B, T, H) (pre-norm)."""
         cos_sin = {"full": self.rope(positions, self.dtype)}
-        ctx = AttentionContext(kv, start, cos_sin, {"full": attn_mask.expand(B, 1, T, S)}, {}, False)
+        ctx = attention_context(kv.open(tokens.shape[1]), positions, attn_mask, cos_sin)
         return self.layers[i].block(self._input(i, h_prev, tokens), ctx)
 
     def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
@@ -119,8 +116,7 @@ class MTPModel(nn.Module):
         for i in range(self.num_layers):
             shifted = torch.nn.functional.pad(tokens[:, 1 + i:], (0, 1 + i))  # x_{t+1+i}
             kv = self.new_kv(T, batch=B, dtype=torch.float32)
-            kv.reserve(T)
-            ctx = AttentionContext(kv, 0, cos_sin, {"full": mask}, {}, False)
+            ctx = AttentionContext(kv.open(T), cos_sin, {"full": mask}, {}, False)
             h = self.layers[i].block(self._input(i, h, shifted), ctx)
             yield i, h
 

@@ -22,7 +22,6 @@ class NgramDrafter(Drafter):
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {lookup_min} and {lookup_max}"
             )
         self.k, self.lookup_min, self.lookup_max = k, lookup_min, lookup_max
-        self._arr = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "NgramDrafter":
@@ -34,16 +33,21 @@ class NgramDrafter(Drafter):
     def num_speculative_tokens(self) -> int:
         return self.k
 
-    def _history(self, tokens: list[int]) -> np.ndarray:
-        n = len(self._arr)
-        if n > len(tokens) or (n and self._arr[-1] != tokens[n - 1]):
+    def new_state(self) -> dict:
+        return {"arr": np.zeros(0, dtype=np.int64)}  # the row's tokens as an array, grown as it grows
+
+    @staticmethod
+    def _history(state: dict, tokens: list[int]) -> np.ndarray:
+        arr = state["arr"]
+        n = len(arr)
+        if n > len(tokens) or (n and arr[-1] != tokens[n - 1]):
             n = 0  # a new sequence
         if n < len(tokens):
-            self._arr = np.concatenate([self._arr[:n], np.asarray(tokens[n:], dtype=np.int64)])
-        return self._arr
+            arr = state["arr"] = np.concatenate([arr[:n], np.asarray(tokens[n:], dtype=np.int64)])
+        return arr
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        arr = self._history(tokens)
+    def lookup(self, tokens: list[int], k: int, state: dict | None = None) -> list[int]:
+        arr = self._history(self.new_state() if state is None else state, tokens)
         L = len(arr)
         for n in range(min(self.lookup_max, L - 1), self.lookup_min - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # earlier n-grams (not the suffix)
@@ -53,5 +57,5 @@ class NgramDrafter(Drafter):
                 return arr[start:start + k].tolist()
         return []
 
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        return DraftTree.chain(ctx.tokens[-1], self.lookup(ctx.tokens, ctx.k) if ctx.k > 0 else [])
+    def propose_one(self, ctx: DraftContext) -> DraftTree:
+        return DraftTree.chain(ctx.tokens[-1], self.lookup(ctx.tokens, ctx.k, ctx.state) if ctx.k > 0 else [])

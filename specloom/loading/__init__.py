@@ -22,9 +22,9 @@ import torch
 from ..config import ModelConfig
 from ..errors import SpecloomError
 from ..models import DecoderLM
-from ..models.cpu_packing import pack_linears
 from ..tokenizer import Tokenizer
-from .weights import build_model, convert_hf_state_dict
+from .formats import apply_kernels
+from .weights import build_model, load_state_dict
 
 log = logging.getLogger("specloom")
 
@@ -145,14 +145,16 @@ def load_target(
     t0 = time.perf_counter()
     config, raw = load_config(source)
     if source.kind == "gguf":
-        from .gguf_file import gguf_tensors
+        from .gguf_file import gguf_raw_tensors
 
-        tensors = gguf_tensors(source.path, raw, progress=progress)
+        tensors, quant_config = gguf_raw_tensors(source.path, raw), None  # dequantized by the `gguf` format
     else:
-        tensors = _hf_dir_tensors(source.path)
-    model = build_model(config, convert_hf_state_dict(config, tensors, dt))
+        tensors, quant_config = _hf_dir_tensors(source.path), raw.get("quantization_config")
+    state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, progress=progress)
+    model = build_model(config, state)
     if pack:
-        pack_linears(model)  # bf16 on CPU: oneDNN's packed layout, bit-identical and faster
+        # each linear runs the kernel its weight format picks: oneDNN's packed layout for bf16 on CPU, else dense
+        apply_kernels(model, plan)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
     else:

@@ -1,10 +1,13 @@
-"""GGUF loader: metadata -> HF-style config dict, tensors -> dequantized HF-convention state dict.
+"""GGUF loader: metadata -> HF-style config dict, tensors -> HF-convention names holding GGUF tensors.
 
-Dequantization uses the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...). Two
-llama.cpp conventions are undone so that the result is exactly what HF transformers would load:
-* for the Llama architecture, convert_hf_to_gguf permutes the rows of q and k for its interleaved RoPE; we apply
-  the inverse permutation (Qwen2/Qwen3/Gemma-3 use NeoX RoPE in llama.cpp and are stored unpermuted);
-* for Gemma, llama.cpp stores RMSNorm weights as 1 + w; we subtract 1 (HF stores w).
+`gguf_raw_tensors` names every tensor the HF way and wraps it as a `GGUFTensor`, still quantized; the `gguf`
+weight format (`specloom.loading.formats`) dequantizes it with `dequantize_gguf` when the loader asks. That uses
+the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...). Two llama.cpp conventions
+are undone so that the result is exactly what HF transformers would load; which architecture has which is in its
+family's record (`specloom.models.family.FamilySpec`):
+* `gguf_permuted_qk_archs` (Llama): convert_hf_to_gguf permutes the rows of q and k for its interleaved RoPE; we
+  apply the inverse permutation (Qwen2/Qwen3/Gemma-3 use NeoX RoPE in llama.cpp and are stored unpermuted);
+* `norm_weight_offset` (Gemma: 1): llama.cpp stores RMSNorm weights as offset + w; we subtract it (HF stores w).
 """
 
 from __future__ import annotations
@@ -12,15 +15,15 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..errors import SpecloomError
-
-# GGUF `general.architecture` -> HF model_type
-_ARCH_TO_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+from ..models.family import spec_for_gguf_arch, supported_gguf_archs
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -38,9 +41,7 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+}  # + the family's `gguf_block_names` (what `ffn_norm` is, Gemma's sandwich norms)
 
 
 @functools.lru_cache(maxsize=2)
@@ -93,10 +94,11 @@ def gguf_config(path: str) -> dict:
 def _gguf_config(path: str) -> dict:
     r = _reader(path)
     arch = _field(r, "general.architecture")
-    if arch not in _ARCH_TO_MODEL_TYPE:
+    spec = spec_for_gguf_arch(arch)
+    if spec is None:
         raise SpecloomError(
             f"{os.path.basename(path)}: GGUF architecture {arch!r} is not supported "
-            f"(supported: {', '.join(_ARCH_TO_MODEL_TYPE)})"
+            f"(supported: {', '.join(supported_gguf_archs())})"
         )
 
     def get(key, default=None):
@@ -104,7 +106,7 @@ def _gguf_config(path: str) -> dict:
 
     n_tokens = len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else None
     cfg = {
-        "model_type": _ARCH_TO_MODEL_TYPE[arch],
+        "model_type": spec.gguf_archs[arch],
         "hidden_size": get("embedding_length"),
         "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"),
@@ -119,14 +121,8 @@ def _gguf_config(path: str) -> dict:
         "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
         "tie_word_embeddings": not any(t.name == "output.weight" for t in r.tensors),
     }
-    if arch == "gemma3":
-        cfg["sliding_window"] = get("attention.sliding_window", 512)
-        cfg["sliding_window_pattern"] = get("attention.sliding_window_pattern", 6)
-        cfg["rope_local_base_freq"] = 10000.0
-        cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-        cfg["hidden_activation"] = "gelu_pytorch_tanh"
-    if arch == "qwen2":
-        cfg["attention_bias"] = True
+    if spec.gguf_config is not None:
+        cfg.update(spec.gguf_config(arch, get, cfg))
     if any(t.name == "rope_freqs.weight" for t in r.tensors):
         raise SpecloomError(
             f"{os.path.basename(path)}: Llama-3.1-style rope_freqs in GGUF are not supported yet; "
@@ -144,49 +140,97 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(path: str, cfg: dict, progress: bool = True):
-    """Yield (HF name, fp32 tensor) for every tensor of the GGUF file, dequantized."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One GGUF tensor (yielded with its HF name), not yet dequantized; `fix` then undoes a llama.cpp
+    convention."""
 
+    name: str  # the GGUF name (`blk.3.attn_q.weight`)
+    tensor: object  # the `gguf` reader's tensor: `.tensor_type`, `.data` (a memory map), `.shape`
+    fix: Callable[[np.ndarray], np.ndarray] | None = None
+
+    @property
+    def type_name(self) -> str:
+        return self.tensor.tensor_type.name
+
+
+def gguf_raw_tensors(path: str, cfg: dict):
+    """Yield (HF name, `GGUFTensor`) for every tensor of the GGUF file, without dequantizing anything."""
     r = _reader(path)
     arch = _field(r, "general.architecture")
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    for t in tqdm(r.tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False):
+    spec = spec_for_gguf_arch(arch)
+    if spec is None:
+        raise SpecloomError(f"{os.path.basename(path)}: GGUF architecture {arch!r} is not supported")
+    block_names = {**_BLOCK_NAMES, **spec.gguf_block_names}
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    permuted = arch in spec.gguf_permuted_qk_archs
+    offset = spec.norm_weight_offset
+    for t in r.tensors:
         name = t.name
+        base = None
         if name in _TENSOR_NAMES:
             hf = _TENSOR_NAMES[name]
         elif name.startswith("blk."):
             _, idx, rest = name.split(".", 2)
             base, kind = rest.rsplit(".", 1)
-            if arch == "gemma3" and base == "ffn_norm":
-                mapped = "pre_feedforward_layernorm"
-            elif base == "ffn_norm":
-                mapped = "post_attention_layernorm"
-            elif base in _BLOCK_NAMES:
-                mapped = _BLOCK_NAMES[base]
-            else:
+            if base not in block_names:
                 raise SpecloomError(f"{os.path.basename(path)}: unknown GGUF tensor {name!r}")
-            hf = f"model.layers.{idx}.{mapped}.{kind}"
+            hf = f"model.layers.{idx}.{block_names[base]}.{kind}"
         else:
             raise SpecloomError(f"{os.path.basename(path)}: unknown GGUF tensor {name!r}")
-        try:
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.array(t.data, dtype=np.float32)  # a copy: the reader's memory map is read-only
-            else:
-                arr = dequantize(t.data, t.tensor_type)
-            arr = arr.reshape(tuple(int(x) for x in reversed(t.shape.tolist())))
-        except (NotImplementedError, ValueError) as e:
-            raise SpecloomError(f"{name}: cannot dequantize GGUF type {t.tensor_type.name}: {e}") from None
-        if arch == "llama" and base_in(name, "attn_q"):
-            arr = _unpermute(arr, n_head)
-        elif arch == "llama" and base_in(name, "attn_k"):
-            arr = _unpermute(arr, n_kv)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            arr = arr - 1.0
-        yield hf, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+        fix = None
+        if permuted and base in heads:
+            fix = functools.partial(_unpermute, n_head=heads[base])
+        elif offset and name.endswith("norm.weight"):
+            fix = _minus(offset)
+        yield hf, GGUFTensor(name, t, fix)
 
 
-def base_in(name: str, base: str) -> bool:
-    parts = name.split(".")
-    return len(parts) == 4 and parts[2] == base
+def _minus(offset: float):
+    def fix(arr: np.ndarray) -> np.ndarray:
+        return arr - offset  # stays float32
+
+    return fix
+
+
+def dequantize_gguf(t: GGUFTensor) -> torch.Tensor:
+    """A `GGUFTensor` as a fp32 torch tensor in HF's layout and convention."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = t.tensor
+    try:
+        if raw.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            arr = np.array(raw.data, dtype=np.float32)  # a copy: the reader's memory map is read-only
+        else:
+            arr = dequantize(raw.data, raw.tensor_type)
+        arr = arr.reshape(tuple(int(x) for x in reversed(raw.shape.tolist())))
+    except (NotImplementedError, ValueError) as e:
+        raise SpecloomError(f"{t.name}: cannot dequantize GGUF type {raw.tensor_type.name}: {e}") from None
+    if t.fix is not None:
+        arr = t.fix(arr)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def gguf_dequantizable(type_name_or_type) -> bool:
+    """Whether the installed `gguf` package can dequantize this GGML type."""
+    from gguf import GGMLQuantizationType
+
+    try:
+        qtype = GGMLQuantizationType[type_name_or_type] if isinstance(type_name_or_type, str) \
+            else GGMLQuantizationType(type_name_or_type)
+    except (KeyError, ValueError):
+        return False
+    if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return True
+    import gguf.quants
+
+    traits = getattr(gguf.quants, "_type_traits", None)
+    return traits is None or qtype in traits  # unknown package layout: let dequantization decide
+
+
+def gguf_tensors(path: str, cfg: dict, progress: bool = True):
+    """Yield (HF name, fp32 tensor) for every tensor of the GGUF file, dequantized."""
+    raw = list(gguf_raw_tensors(path, cfg))
+    for hf, t in tqdm(raw, desc="dequantizing GGUF", unit="tensor", disable=not progress, leave=False):
+        yield hf, dequantize_gguf(t)

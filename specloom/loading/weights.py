@@ -1,8 +1,9 @@
 """Build a target model from a HF-convention state dict (names and conventions of HF transformers).
 
-Both loaders (HF directory, GGUF) produce the same HF-convention dict; this module is the one place that maps it
-onto specloom's modules: strips the `model.` prefix, fuses q/k/v and gate/up, folds Gemma's `1 + w` norm
-convention into the weight, and re-ties the head to the embedding.
+Both loaders (HF directory, GGUF) produce HF-convention names; this module is the one place that maps them onto
+specloom's modules: strips the `model.` prefix, asks the weight-format registry (`formats.py`) how each module's
+tensors load, fuses q/k/v and gate/up, folds the family's norm convention (Gemma's `1 + w`, the record's
+`norm_weight_offset`) into the weight, and re-ties the head to the embedding.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ import re
 from collections.abc import Iterable
 
 import torch
+from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..errors import SpecloomError
 from ..models import FAMILIES, DecoderLM
+from .formats import format_for, split_tensor_name
+
+_NORM_WEIGHT = re.compile(r"(layernorm|norm)\.weight$")
 
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
@@ -33,9 +38,19 @@ def _builtin_drafter_tensor(name: str, num_layers: int) -> bool:
     return bool(m) and int(m.group(1)) >= num_layers
 
 
-def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype):
-    """HF names/tensors -> specloom names/tensors, converted to `dtype` (fusions done in fp32-exact concat)."""
-    sd: dict[str, torch.Tensor] = {}
+def load_state_dict(
+    config: ModelConfig,
+    items: Iterable[tuple[str, object]],
+    dtype: torch.dtype,
+    quant_config: dict | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """HF names/tensors -> (specloom names/tensors as `dtype`, {specloom module: weight format it came from}).
+
+    `items` holds whatever the checkpoint stores (torch tensors, `GGUFTensor`s, ...); each module's tensors are
+    loaded by the format `formats.format_for` picks for them. Fusions are exact concatenations."""
+    modules: dict[str, dict[str, object]] = {}
     for name, t in items:
         if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
             continue
@@ -44,9 +59,29 @@ def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, torch.
         name = _strip(name)
         if _builtin_drafter_tensor(name, config.num_layers):
             continue  # MTP layers (DeepSeek layout) and DSpark stages: read by their drafters, not the target
-        sd[name] = t
-    gemma = config.family == "gemma3"
+        module, key = split_tensor_name(name)
+        modules.setdefault(module, {})[key] = t
+    offset = config.family_spec.norm_weight_offset
+    sd: dict[str, torch.Tensor] = {}
+    fmt_of: dict[str, str] = {}
+    for module, tensors in tqdm(modules.items(), desc="loading weights", unit="module", disable=not progress,
+                                leave=False):
+        fmt = format_for(module, tensors, quant_config)
+        fmt_of[module] = fmt.name
+        # a folded norm is loaded in fp32 and rounded to `dtype` once, after the fold
+        load_dtype = torch.float32 if offset and module.endswith("norm") else dtype
+        for key, t in fmt.load(module, tensors, load_dtype, device).items():
+            sd[f"{module}.{key}" if module else key] = t
     out: dict[str, torch.Tensor] = {}
+    plan: dict[str, str] = {}
+
+    def fused(name: str, parts: list[str]) -> None:
+        kinds = {fmt_of.get(p) for p in parts}
+        if len(kinds) > 1:
+            raise SpecloomError(f"malformed checkpoint: {', '.join(parts)} are stored in different weight formats "
+                                f"({', '.join(fmt_of.get(p, '?') for p in parts)}) but run as one {name}")
+        plan[name] = kinds.pop()
+
     for i in range(config.num_layers):
         p = f"layers.{i}."
         try:
@@ -59,16 +94,27 @@ def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, torch.
             )
         except KeyError as e:
             raise SpecloomError(f"malformed checkpoint: tensor {e.args[0]!r} is missing") from None
+        fused(p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj" for x in "qkv"])
+        fused(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
     for name, t in sd.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         out[name] = t
+    for module, fmt in fmt_of.items():
+        plan.setdefault(module, fmt)
+    if config.tie_word_embeddings and "embed_tokens" in fmt_of:
+        plan["lm_head"] = fmt_of["embed_tokens"]  # the head runs the embedding's weight
     for name in list(out):
         t = out[name]
-        if gemma and re.search(r"(layernorm|norm)\.weight$", name):
-            t = t.float() + 1.0  # Gemma's RMSNorm multiplies by (1 + w)
+        if offset and _NORM_WEIGHT.search(name):
+            t = t.float() + offset  # e.g. Gemma's RMSNorm multiplies by (1 + w)
         out[name] = t.to(dtype)
-    return out
+    return out, plan
+
+
+def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, object]], dtype: torch.dtype):
+    """HF names/tensors -> specloom names/tensors, converted to `dtype` (see `load_state_dict`)."""
+    return load_state_dict(config, items, dtype)[0]
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> DecoderLM:

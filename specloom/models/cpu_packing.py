@@ -14,14 +14,18 @@ import torch
 from torch import nn
 
 
-def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
+def onednn_bf16_supported() -> bool:
+    """Whether this CPU's oneDNN runs bf16 matmuls (it needs AVX512-BF16/AMX or AVX-NE-CONVERT)."""
     return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
+        torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """bf16 weights on a CPU whose oneDNN supports bf16; never another dtype or device (CUDA, meta, ...)."""
+    return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
@@ -40,11 +44,9 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace every bf16 `nn.Linear` of `model` by a `PackedLinear`; returns how many were packed."""
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and packing_supported(child.weight.dtype, child.weight.device):
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+    """Give every `nn.Linear` of `model` (dense weights, e.g. a drafter's) the kernel the weight-format seam picks
+    for dense weights (`specloom.loading.formats.dense_kernel`): a `PackedLinear` for bf16 on a CPU that supports
+    it. Returns how many were replaced."""
+    from ..loading.formats import apply_kernels  # the loader imports this module
+
+    return apply_kernels(model)

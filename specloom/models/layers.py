@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
-from ..kv import KVCache
+from .context import AttentionContext
 
 
 class RMSNorm(nn.Module):
@@ -102,22 +102,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-class AttentionContext:
-    """What every layer of one forward pass shares: where the new entries go and which keys each query sees.
-
-    `masks[kind]` is a bool mask `(B, 1, T, S)` (True = attend) or None for "all keys"; `windows[kind]` is the
-    number of trailing key slots to read (None = all), used by decode steps of sliding layers instead of a mask.
-    """
-
-    def __init__(self, kv: KVCache, start: int, cos_sin: dict, masks: dict, windows: dict, causal: bool):
-        self.kv = kv
-        self.start = start
-        self.cos_sin = cos_sin
-        self.masks = masks
-        self.windows = windows
-        self.causal = causal
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -142,7 +126,7 @@ class Attention(nn.Module):
         cos, sin = ctx.cos_sin[self.kind]
         qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, d), (B, H_kv, T, d)
-        keys, values = ctx.kv.write(self.layer, ctx.start, k, v.transpose(1, 2))  # (B, H_kv, S, d)
+        keys, values = ctx.kv.write(self.layer, k, v.transpose(1, 2))  # (B, H_kv, S, d)
         window = ctx.windows.get(self.kind)
         if window is not None:
             keys, values = keys[:, :, -window:], values[:, :, -window:]

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .family import FamilySpec, register_family_spec
 from .layers import Attention, AttentionContext, GatedMLP, RMSNorm
 from .transformer import DecoderLM, register_family
 
@@ -26,3 +27,16 @@ class LlamaBlock(nn.Module):
 @register_family("llama")
 class LlamaForCausalLM(DecoderLM):
     block_cls = LlamaBlock
+
+
+LLAMA = register_family_spec(FamilySpec(
+    name="llama",
+    model_cls=LlamaForCausalLM,
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+    qk_norm_model_types=frozenset({"qwen3"}),
+    qkv_bias_model_types=frozenset({"qwen2"}),
+    gguf_archs={"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"},
+    # llama.cpp permutes Llama's q/k rows for its interleaved RoPE; Qwen2/Qwen3 use NeoX RoPE and stay unpermuted
+    gguf_permuted_qk_archs=frozenset({"llama"}),
+    gguf_block_names={"ffn_norm": "post_attention_layernorm"},
+))

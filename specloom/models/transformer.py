@@ -26,7 +26,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kv import KVCache
-from .layers import AttentionContext, RMSNorm, Rope
+from .context import AttentionContext, attention_context
+from .layers import RMSNorm, Rope
 
 FAMILIES: dict[str, type["DecoderLM"]] = {}
 
@@ -69,48 +70,25 @@ class DecoderLM(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def new_kv(self, max_len: int, dtype: torch.dtype | None = None, batch: int = 1) -> KVCache:
-        """A KV cache for this model. Default dtype: fp32 on CPU (attention over a few queries runs ~3x faster in
-        fp32 than in bf16 there, and keys/values keep full precision), the model's dtype elsewhere."""
+    def new_kv(self, max_len: int, dtype: torch.dtype | None = None, batch: int = 1,
+               active: int | None = None) -> KVCache:
+        """A KV store for this model: `batch` rows of `max_len` slots (`active` 0: a pool whose rows are
+        allocated). Default dtype: fp32 on CPU (attention over a few queries runs ~3x faster in fp32 than in bf16
+        there, and keys/values keep full precision), the model's dtype elsewhere."""
         c = self.config
-        if dtype is None:
-            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dtype, self.device, batch)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, self.kv_dtype(dtype), self.device, batch,
+                       active)
 
-    def _context(self, positions: torch.Tensor, kv: KVCache, attn_mask: torch.Tensor | None) -> AttentionContext:
-        if hasattr(kv, "attention_context"):  # a pass over rows of a KVPool (continuous batching, kv_pool.py)
-            return kv.attention_context(self, positions, attn_mask)
-        B, T = positions.shape
-        start = kv.reserve(T)
-        S = start + T
-        kv.slot_pos[:, start:S] = positions
-        dtype = self.dtype
-        cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, dtype) for kind in self.layer_kinds}
-        window = self.config.sliding_window
-        masks: dict[str, torch.Tensor | None] = {}
-        windows: dict[str, int | None] = {}
-        causal = False
-        if T == 1 and attn_mask is None:
-            # Decode step: the query sees every cached key; a sliding layer reads only its last `window` slots.
-            if "sliding" in self.layer_kinds and S > window:
-                windows["sliding"] = window
-        elif start == 0 and attn_mask is None and ("sliding" not in self.layer_kinds or S <= window):
-            causal = True
-        else:
-            dev = positions.device
-            new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if attn_mask is None else attn_mask.to(dev)
-            new = new.expand(B, *new.shape) if new.dim() == 2 else new
-            if new.shape[-1] == T:
-                new = torch.cat([torch.ones(B, T, start, dtype=torch.bool, device=dev), new], dim=-1)
-            elif new.shape[-1] != S:
-                raise ValueError(f"attn_mask width {new.shape[-1]}: expected {T} (new tokens) or {S} (all slots)")
-            full = new.unsqueeze(1)  # (B, 1, T, S)
-            masks["full"] = full
-            if "sliding" in self.layer_kinds:
-                kpos = kv.slot_pos[:, :S]  # (B, S): RoPE positions of the slots, new ones included
-                near = (positions.unsqueeze(-1) - kpos.unsqueeze(1)) < window  # (B, T, S)
-                masks["sliding"] = full & near.unsqueeze(1)
-        return AttentionContext(kv, start, cos_sin, masks, windows, causal)
+    def kv_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
+        if dtype is not None:
+            return dtype
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
+    def _context(self, positions: torch.Tensor, kv, attn_mask: torch.Tensor | None) -> AttentionContext:
+        kvp = kv.open(positions.shape[1])  # a store (every active row) or a pass over some of its rows
+        cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, self.dtype)
+                   for kind in self.layer_kinds}
+        return attention_context(kvp, positions, attn_mask, cos_sin, self.config.sliding_window, self.layer_kinds)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)

@@ -124,15 +124,16 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
     target KV (max_model_len + tree slack) plus the drafter's own KV for that row. Without a budget: max_num_seqs
     rows. Raises SpecloomError when not even one sequence fits."""
     from ..drafters.base import module_bytes
-    from ..engine import TREE_SLACK
-    from ..kv_pool import KVPool
+    from ..kv import kv_bytes_per_token
+    from ..step import TREE_SLACK
 
     model, drafter = engine.model, engine.drafter
     row_len = engine.max_model_len + TREE_SLACK
     weights = module_bytes(model)
     dmem = drafter.memory() if drafter else {"weights": 0, "kv_per_1k_tokens": 0}
-    target_row = KVPool.bytes_per_token(model, kv_dtype) * row_len
-    drafter_row = dmem["kv_per_1k_tokens"] * (row_len + 4096) // 1000  # drafters allocate context + 4096 rows
+    c = model.config
+    target_row = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.kv_dtype(kv_dtype)) * row_len
+    drafter_row = dmem["kv_per_1k_tokens"] * row_len // 1000  # a drafter's companion row is as long as the target's
     k = drafter.num_speculative_tokens if drafter else 0
     widest = max(1, k * 4 + 1)  # padded tree width bound used for the activation estimate
     per_row_act = widest * (model.config.vocab_size * 4 * 2 + model.config.hidden_size * 4 * 16)

@@ -1,18 +1,18 @@
-"""Continuous batching with speculation: one scheduler thread runs every active sequence through shared steps.
+"""Continuous batching with speculation: the scheduler around the one speculative step (step.py).
 
 Between steps, waiting requests are admitted into free rows of the KV pool and prefilled under a token budget
 (256 prompt tokens per step while others decode: short prompts join several at a time, a long one is cut into
-chunks between steps, so it does not stall the others); finished or cancelled ones leave (their row is freed at
-once). Each step:
+chunks between steps, so it does not stall the others); finished, failed or cancelled ones leave (their row is
+freed at once, the last running row moves into the hole so the running rows stay 0..n-1). Each step:
 
     depth per sequence  <- DepthPolicy (off / fixed / load-aware: batch size + each sequence's acceptance)
-    tree per sequence   <- its own drafter (a fork sharing the weights) ; grammar-pruned when constrained
-    one target pass     <- all trees padded to the widest, ragged masks (kv_pool.py)
-    per sequence        <- grammar mask, exact verify with its own generator, commit its path, drafter update
+    stepper.step(rows)  <- all rows drafted together, one target pass, per-row verify and commit (step.py)
 
-Each sequence keeps its own sampling parameters, seed and generator, so its output does not depend on what else
-runs beside it (greedy: token for token; sampling: the same distribution). Memory: the pool's rows are sized from
-the memory budget (target weights + drafter weights + per-row target and drafter KV); a request waits in the
+This module keeps admission, the prefill budget, retiring, cancellation and threading; everything a step does
+lives in step.py, shared with `Engine.generate`. Each sequence keeps its own sampling parameters, seed and
+generator, so its output does not depend on what else runs beside it (greedy: token for token; sampling: the
+same distribution), and a failure of one sequence fails its request alone. Memory: the pool's rows are sized
+from the memory budget (target weights + drafter weights + per-row target and drafter KV); a request waits in the
 queue for a free row, and is refused (`QueueFull`, HTTP 429) when the queue is full.
 """
 
@@ -26,15 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters import DraftContext
-from ..engine import TREE_SLACK, GenerationResult, StopChecker, _Stats, mean_accepted_length
 from ..errors import SpecloomError
-from ..kv_pool import KVPool
-from ..models import ForwardOutput
-from ..sampling import SamplingParams, sample_token
-from ..tree import DraftTree
-from ..verify import verify
-from .load_aware import Acceptance, DepthPolicy
+from ..results import GenerationResult
+from ..step import TREE_SLACK, Request, Row, Stepper
+from .load_aware import DepthPolicy
 
 log = logging.getLogger("specloom.serve")
 
@@ -44,20 +39,12 @@ class QueueFull(SpecloomError):
 
 
 @dataclass
-class Sequence:
-    ids: list[int]
-    max_tokens: int
-    params: SamplingParams
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    constraint: object | None = None  # serving/grammar.py Constraint
-    on_tokens: object | None = None  # callback(new_ids[, new_logprobs]) -> False to abort (scheduler thread)
-    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely alternatives
-    # -- state (the scheduler's) --
+class Sequence(Request):
+    """A request with the scheduler's bookkeeping (`on_tokens` is called from the scheduler thread)."""
+
     row: int = -1
     cancelled: bool = False
     t_submit: float = 0.0
-    t_first: float | None = None  # when the first token was emitted (time to first token = t_first - t_submit)
     result: GenerationResult | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -72,74 +59,6 @@ class Sequence:
         return self.result
 
 
-class _Run:
-    """A running sequence's decoding state (mirrors Engine.generate's loop variables)."""
-
-    def __init__(self, seq: Sequence, drafter, eos, stopper, acc: Acceptance, device):
-        self.seq, self.drafter, self.eos, self.stopper, self.acc = seq, drafter, eos, stopper, acc
-        self.generator = None if seq.params.greedy else seq.params.generator(device)
-        self.tokens = list(seq.ids)
-        self.out: list[int] = []
-        self.finish: str | None = None
-        self.text: str | None = None
-        self.ctx = DraftContext(self.tokens, len(seq.ids), seq.params, self.generator, 0)
-        self.stats = _Stats()
-        self.t0 = time.perf_counter()
-        self.t_prefill = 0.0
-        self.draft_s = 0.0
-        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per emitted token, when asked
-        self.prefilled = 0  # prompt tokens in the KV pool so far (chunked prefill)
-        self.hidden: dict | None = None  # captured prompt hidden states for the drafter, gathered over chunks
-
-    def record_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
-        """rows (len(tokens), V): the target logits each token was chosen from (after any grammar mask)."""
-        k = self.seq.logprobs
-        if k is None:
-            return
-        lp = torch.log_softmax(rows.float(), -1)
-        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-        tops = lp.topk(k, -1) if k > 0 else None
-        for i, c in enumerate(chosen):
-            alts = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
-            self.logprobs.append((c, alts))
-    def emit(self, emitted: list[int]) -> None:
-        """Append a step's tokens; EOS, stop strings and max_tokens cut inside a multi-token step."""
-        n_before = len(self.out)
-        if self.seq.t_first is None:
-            self.seq.t_first = time.perf_counter()
-        for tok in emitted:
-            self.out.append(tok)
-            self.tokens.append(tok)
-            if tok in self.eos:
-                self.finish = "stop"
-                break
-            text = self.stopper.check(self.out)
-            if text is not None:
-                self.finish, self.text = "stop", text
-                break
-            if len(self.out) >= self.seq.max_tokens:
-                self.finish = "length"
-                break
-        cb = self.seq.on_tokens
-        if cb is not None and len(self.out) > n_before:
-            new = self.out[n_before:]
-            # with logprobs asked, the callback also gets the new tokens' (logprob, alternatives)
-            go = cb(new) if self.seq.logprobs is None else cb(new, self.logprobs[n_before:len(self.out)])
-            if go is False and not self.finish:
-                self.finish = "abort"
-
-    def result(self, tokenizer) -> GenerationResult:
-        s = self.stats
-        return GenerationResult(
-            text=self.text if self.text is not None else tokenizer.decode(self.out), token_ids=self.out,
-            prompt_token_ids=list(self.seq.ids), finish_reason=self.finish, num_target_passes=s.passes,
-            mean_accepted_length=mean_accepted_length(len(self.out), s.passes), num_draft_tokens=s.drafted,
-            num_accepted_tokens=s.accepted, proposed_per_position=s.proposed_at, accepted_per_position=s.accepted_at,
-            prefill_seconds=self.t_prefill, total_seconds=time.perf_counter() - self.t0, draft_seconds=self.draft_s,
-            logprobs=self.logprobs[:len(self.out)] if self.seq.logprobs is not None else None,
-        )
-
-
 class BatchScheduler:
     def __init__(self, engine, rows: int, mode: str = "fixed", cost=None, max_queue: int | None = None,
                  kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True):
@@ -148,17 +67,18 @@ class BatchScheduler:
         here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores)."""
         self.engine = engine
         self.model = engine.model
-        self.row_len = engine.max_model_len + TREE_SLACK
-        self.pool = KVPool(self.model, rows, self.row_len, kv_dtype)
-        k = engine.drafter.num_speculative_tokens if engine.drafter else 0
+        self.drafter = engine.drafter
+        self.pool = self.model.new_kv(engine.max_model_len + TREE_SLACK, kv_dtype, batch=rows, active=0)
+        self.stepper = Stepper(self.model, self.drafter, self.pool, engine.tokenizer, engine.prefill_chunk)
+        k = self.drafter.num_speculative_tokens if self.drafter else 0
         self.policy = DepthPolicy(mode if k else "off", k, cost)
         self.max_queue = 4 * rows if max_queue is None else max_queue
         spec = engine.speculative_config
         self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.on_step = on_step  # callback(batch_size, depths) for metrics
         self.waiting: deque[Sequence] = deque()
-        self.running: list[_Run] = []  # running[i].seq.row == i
-        self.prefilling: _Run | None = None  # admitted, prompt partly prefilled; its row is len(running)
+        self.running: list[Row] = []  # running[i].row == i
+        self.prefilling: Row | None = None  # admitted, prompt partly prefilled; its row is len(running)
         self.prefill_budget = 256  # prompt tokens prefilled per scheduler iteration while others are decoding
         self.cv = threading.Condition()
         self._closed = False
@@ -214,7 +134,7 @@ class BatchScheduler:
                 while not self._closed and not self.waiting and not self.running and self.prefilling is None:
                     self.cv.wait()
                 if self._closed:
-                    pending = [r.seq for r in self.running] + ([self.prefilling.seq] if self.prefilling else [])
+                    pending = [r.req for r in self.running] + ([self.prefilling.req] if self.prefilling else [])
                     for s in list(self.waiting) + pending:
                         s.error = QueueFull("the server shut down")
                         s.done.set()
@@ -227,22 +147,33 @@ class BatchScheduler:
                     seq = self._next_waiting()
                     if seq is None:
                         break
-                    self._admit(seq)
-                budget -= self._prefill_chunk(budget)
-                if self.prefilling is not None:  # a partial prompt: continue after the next step
+                    seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
+                    self.prefilling = self.stepper.new_row(seq, seq.row)
+                    self.prefilling.acc = self.policy.new_acceptance()
+                row = self.prefilling
+                if row.req.cancelled:
+                    row.finish = "abort"
+                else:
+                    budget -= self.stepper.prefill(row, budget)
+                if row.finish:  # failed or cancelled while prefilling: it is the last active row
+                    self._finish(row)
+                    self.pool.pop()
+                    self.prefilling = None
+                elif row.prefilled == len(row.req.ids):
+                    self.running.append(row)  # its row is len(running) - 1: the running block stays contiguous
+                    self.prefilling = None
+                else:  # a partial prompt: continue after the next step
                     break
             self._retire()
             if self.running:
                 try:
                     self._step()
-                except Exception as e:  # a bug: fail the running sequences, keep serving
+                except Exception as e:  # the target pass itself failed: fail the running sequences, keep serving
                     log.exception("scheduler step failed")
-                    for r in list(self.running):
-                        r.seq.error = e
-                        r.finish = "error"
-                    self._retire()
+                    for r in self.running:
+                        r.fail(e)
+                self._retire()
 
-    # -- admission: chunked prefill, interleaved with the others' steps -----------------------------------------
     def _next_waiting(self) -> Sequence | None:
         with self.cv:
             while self.waiting and self.pool.free_rows:
@@ -253,166 +184,56 @@ class BatchScheduler:
                 s.done.set()
         return None
 
-    def _admit(self, seq: Sequence) -> None:
-        eng = self.engine
-        eos = frozenset() if seq.ignore_eos else eng.tokenizer.eos_token_ids
-        drafter = eng.drafter.fork() if eng.drafter else None
-        run = _Run(seq, drafter, eos, StopChecker(eng.tokenizer, seq.stop), self.policy.new_acceptance(),
-                   self.model.device)
-        seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
-        run.hidden = {c: [] for c in (drafter.needs_hidden if drafter else ())}
-        self.prefilling = run
-
-    @torch.inference_mode()
-    def _prefill_chunk(self, budget: int) -> int:
-        """Up to `budget` more prompt tokens of the prefilling sequence; after its last chunk it samples the first
-        token and joins the running block. Returns the tokens prefilled."""
-        run = self.prefilling
-        seq = run.seq
-        if seq.cancelled:
-            self._drop_prefilling(None)
-            return 0
-        part = []
-        try:
-            start = run.prefilled
-            chunk = min(budget, self.engine.prefill_chunk)
-            part = seq.ids[start:start + chunk]
-            dev = self.model.device
-            x = torch.tensor([part], device=dev)
-            pos = torch.arange(start, start + len(part), device=dev)[None]
-            capture = tuple(run.hidden)
-            out = self.model(x, pos, self.pool.batch([seq.row], [len(part)]), capture=capture, num_logits=1)
-            self.pool.commit(seq.row)
-            for c in capture:
-                run.hidden[c].append(out.hidden[c])
-            run.prefilled += len(part)
-            if run.prefilled < len(seq.ids):
-                return len(part)
-            if capture:
-                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in run.hidden.items()})
-            run.hidden = None
-            logits = out.logits[0, -1]
-            if seq.constraint is not None:
-                logits = logits.clone()
-                seq.constraint.mask_row(logits)
-            first = sample_token(logits, seq.params, run.generator)
-            if run.drafter:
-                t = time.perf_counter()
-                run.drafter.prefill(run.ctx, out)
-                run.draft_s += time.perf_counter() - t
-            run.t_prefill = time.perf_counter() - run.t0
-            if seq.constraint is not None:
-                seq.constraint.advance([first])
-            run.record_logprobs(logits[None], [first])
-            run.emit([first])
-        except Exception as e:
-            self._drop_prefilling(e)
-            return len(part)
-        self.prefilling = None
-        self.running.append(run)  # its row is len(running) - 1: the running block stays contiguous
-        return len(part)
-
-    def _drop_prefilling(self, error: BaseException | None) -> None:
-        run, self.prefilling = self.prefilling, None
-        run.finish = "abort" if error is None else "error"
-        seq = run.seq
-        if error is not None:
-            seq.error = error
+    def _finish(self, row: Row) -> None:
+        seq = row.req
+        if row.error is not None:
+            seq.error = row.error
         else:
-            seq.result = run.result(self.engine.tokenizer)
-        self.pool.release(seq.row)  # the last active row: nothing moves
+            seq.result = row.result()
         seq.done.set()
 
     def _retire(self) -> None:
-        """Finish and remove sequences that are done or cancelled; their pool rows are freed at once. The last
-        running row moves into the hole (and a prefilling row, which sits after the running block, moves down
-        one), so the running rows stay 0..n-1."""
+        """Finish and remove sequences that are done, failed or cancelled; their pool rows are freed at once. The
+        last running row moves into the hole (and a prefilling row, which sits after the running block, moves
+        down one), so the running rows stay 0..n-1."""
         i = 0
         while i < len(self.running):
-            run = self.running[i]
-            if run.seq.cancelled and not run.finish:
-                run.finish = "abort"
-            if not run.finish:
+            row = self.running[i]
+            if row.req.cancelled and not row.finish:
+                row.finish = "abort"
+            if not row.finish:
                 i += 1
                 continue
-            seq = run.seq
-            if seq.error is None:
-                seq.result = run.result(self.engine.tokenizer)
+            self._finish(row)
             last = self.running.pop()
-            if last is not run:  # the last running row moves into the hole
-                self.pool.move(last.seq.row, seq.row)
-                last.seq.row = seq.row
-                self.running[seq.row] = last
+            if last is not row:  # the last running row moves into the hole
+                self.pool.move(last.row, row.row)
+                last.ctx.row = last.req.row = row.row
+                self.running[row.row] = last
             if self.prefilling is not None:  # keep the prefilling row right after the running block
-                self.pool.move(self.prefilling.seq.row, len(self.running))
-                self.prefilling.seq.row = len(self.running)
+                self.pool.move(self.prefilling.row, len(self.running))
+                self.prefilling.ctx.row = self.prefilling.req.row = len(self.running)
             self.pool.pop()
-            seq.done.set()
 
-    @torch.inference_mode()
     def _step(self) -> None:
-        runs = self.running
-        n = len(runs)
+        rows = self.running
+        n = len(rows)
         off = self.disable_by_batch_size is not None and n >= self.disable_by_batch_size  # vLLM's key
-        caps = [0 if off or not r.drafter else min(r.drafter.num_speculative_tokens, r.seq.max_tokens - len(r.out) - 1)
-                for r in runs]
-        ks = self.policy.choose([r.acc.alpha for r in runs], caps)
-        trees, draft_times = [], []
-        for r, k in zip(runs, ks):
+        caps = [0 if off else r.cap(self.drafter) for r in rows]
+        ks = self.policy.choose([r.acc.alpha for r in rows], caps)
+        nodes = self.drafter.num_nodes if self.drafter else None
+        full = self.drafter.num_speculative_tokens if self.drafter else 0
+        for r, k in zip(rows, ks):
             r.ctx.k = k
             # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
-            nodes = getattr(r.drafter, "num_nodes", None)
-            full = r.drafter.num_speculative_tokens if r.drafter else 0
             shrink = self.policy.mode == "load_aware" and nodes and 0 < k < full  # not for the budget's own cut
             r.ctx.max_nodes = max(k, -(-nodes * k // full)) if shrink else None
-            t = time.perf_counter()
-            tree = r.drafter.propose(r.ctx) if k > 0 else DraftTree([r.tokens[-1]], [-1])
-            dt = time.perf_counter() - t
-            r.draft_s += dt
-            draft_times.append(dt)
-            if r.seq.constraint is not None and len(tree) > 1:
-                tree = r.seq.constraint.prune(tree)
-            trees.append(tree)
-        sizes = [len(t) for t in trees]
-        T = max(sizes)
-        dev = self.model.device
-        tokens = torch.zeros(n, T, dtype=torch.long)
-        positions = torch.zeros(n, T, dtype=torch.long)
-        mask = torch.eye(T, dtype=torch.bool).repeat(n, 1, 1) if T > 1 else None
-        for b, (r, tree) in enumerate(zip(runs, trees)):
-            s, base = sizes[b], self.pool.lengths[b]
-            tokens[b, :s] = torch.tensor(tree.tokens)
-            positions[b, :s] = torch.tensor(tree.positions(base))
-            positions[b, s:] = base
-            if mask is not None and s > 1:
-                mask[b, :s, :s] = tree.ancestor_mask()
-        capture = tuple(sorted({c for r in runs if r.drafter for c in r.drafter.needs_hidden}))
-        t_pass = time.perf_counter()
-        out = self.model(tokens.to(dev), positions.to(dev), self.pool.batch(range(n), sizes),
-                         attn_mask=None if mask is None else mask.to(dev), capture=capture)
+        rep = self.stepper.step(rows)
         if self.policy.cost is not None and self.policy.mode == "load_aware":
-            self.policy.cost.observe(n, T, time.perf_counter() - t_pass)
+            self.policy.cost.observe(n, rep.width, rep.pass_seconds)
         self.steps += 1
-        for b, (r, tree) in enumerate(zip(runs, trees)):
-            s = sizes[b]
-            logits = out.logits[b, :s]
-            if r.seq.constraint is not None:
-                logits = logits.clone()
-                r.seq.constraint.mask(tree, logits)
-            res = verify(tree, logits, r.seq.params, r.generator)
-            self.pool.commit(b, res.path)
-            if r.drafter:
-                t = time.perf_counter()
-                sub = ForwardOutput(logits[None], {c: out.hidden[c][b:b + 1, :s] for c in r.drafter.needs_hidden})
-                r.drafter.on_verified(r.ctx, res, sub)
-                r.draft_s += time.perf_counter() - t
-            r.stats.record(tree, res)
-            self.policy.observe(r.acc, tree.max_depth, len(tree), res.num_accepted, draft_times[b], self._t1)
-            if r.seq.constraint is not None:
-                r.seq.constraint.advance(res.tokens)
-            if r.seq.logprobs is not None:  # token i of the step was chosen from the logits of path node i
-                r.record_logprobs(logits[torch.tensor(res.path, device=logits.device)], res.tokens)
-            r.emit(res.tokens)
+        for r, tree, acc in zip(rows, rep.trees, rep.accepted):
+            self.policy.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, self._t1)
         if self.on_step is not None:
             self.on_step(n, ks)
         top = max(ks)

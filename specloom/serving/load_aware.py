@@ -103,26 +103,27 @@ class BatchCost:
 
 @torch.inference_mode()
 def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int = 3, progress=None) -> BatchCost:
-    """Time passes over n rows x T tokens through a KVPool (the serving path) after `context` cached tokens."""
-    from ..kv_pool import KVPool
-
+    """Time passes over n rows x T tokens through a KV pool (the serving path) after about `context` cached
+    tokens (rows of slightly different lengths, as in serving: ragged passes)."""
     rows = [n for n in ROWS if n <= max_rows] or [1]
-    pool = KVPool(model, max(rows), context + max(TOKENS) + 1)
+    pool = model.new_kv(context + max(TOKENS) + 1, batch=max(rows), active=0)
     dev = model.device
-    for _ in range(max(rows)):
+    for i in range(max(rows)):
         r = pool.allocate()
-        x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
-        model(x, torch.arange(context, device=dev)[None], pool.batch([r], [context]), num_logits=1)
-        pool.commit(r)
+        m = context - i % 4
+        x = torch.randint(0, model.config.vocab_size, (1, m), device=dev)
+        model(x, torch.arange(m, device=dev)[None], pool.begin([r], [m]), num_logits=1)
+        pool.commit(row=r)
     out = {}
     for n in rows:
         for t in TOKENS:
             x = torch.randint(0, model.config.vocab_size, (n, t), device=dev)
-            pos = (context + torch.arange(t, device=dev))[None].expand(n, t)
+            lengths = torch.tensor(pool.lengths[:n], device=dev)[:, None]
+            pos = lengths + torch.arange(t, device=dev)[None]
             times = []
             for _ in range(repeats + 1):
                 s = time.perf_counter()
-                model(x, pos, pool.batch(range(n), [t] * n))
+                model(x, pos, pool.begin(range(n), [t] * n))
                 times.append(time.perf_counter() - s)
             out[(n, t)] = statistics.median(times[1:])
             if progress:

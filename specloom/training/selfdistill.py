@@ -92,7 +92,7 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, eos: frozenset
         for c in capture:
             hidden[c].append(torch.nn.functional.pad(out.hidden[c][0], (0, 0, pad[r], 0)))
         last_logits.append(out.logits[0, -1])
-    kv.length = P
+    kv.lengths = [P] * kv.rows
     hidden = {c: [torch.stack(v)] for c, v in hidden.items()}
     positions = torch.tensor([[len(p) - 1] for p in prompts], device=dev)
     next_tok = torch.stack(last_logits).argmax(-1)

@@ -1,0 +1,308 @@
+"""One speculative step over a set of rows: the heart shared by `Engine.generate` and the serving scheduler.
+
+    trees = drafter.propose([r.ctx for r in rows])                   # all rows in one drafter pass per depth
+    trees = [r.constraint.prune(t) for ...]                          # grammar: drafts it rejects are cut
+    out   = target(padded trees, kv.begin(rows, sizes), ragged ancestor masks, capture=drafter.needs_hidden)
+    per row: constraint.mask -> verify(tree, logits, params, generator) -> kv.commit(path, row)
+    drafter.on_verified(ctxs, results, out); per row: stats, constraint.advance, logprobs, emit (EOS/stop/length)
+
+A failure that belongs to one row (its grammar leaves no token, its sampling, its callback) fails that row
+alone: `row.error` is set, `row.finish` is "error", and the other rows of the step go on. A drafter failure
+turns drafting off for the rows it was drafting for (they continue without speculation: the output is the
+target's either way). Only a failed target pass fails every row of the step.
+
+Rows sit at pool rows 0..n-1 of `kv` in order (`row.ctx.row == b`), each with its own sampling parameters and
+generator, so what a row emits never depends on what runs beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .constraint import Constraint
+from .drafters.base import DraftContext
+from .errors import SpecloomError
+from .models import ForwardOutput
+from .results import GenerationResult, Stats, StopChecker, mean_accepted_length
+from .sampling import SamplingParams, sample_token
+from .tree import DraftTree
+from .verify import verify
+
+log = logging.getLogger("specloom")
+
+TREE_SLACK = 256  # KV slots beyond the sequence for the nodes of one draft tree
+
+
+@dataclass
+class Request:
+    """What a caller asks for (the serving scheduler's `Sequence` adds its own bookkeeping)."""
+
+    ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    constraint: Constraint | None = None
+    on_tokens: object | None = None  # callback(new_ids[, new_logprobs]) -> False to abort
+    logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely alternatives
+    t_first: float | None = None  # when the first token was emitted
+
+
+class Row:
+    """One running sequence's decoding state."""
+
+    def __init__(self, req: Request, tokenizer, kv, row: int, device, drafter=None):
+        self.req = req
+        self.tokenizer = tokenizer
+        self.eos = frozenset() if req.ignore_eos else tokenizer.eos_token_ids
+        self.stopper = StopChecker(tokenizer, req.stop or [])
+        self.generator = None if req.params.greedy else req.params.generator(device)
+        self.tokens = list(req.ids)  # the whole sequence; tokens[-1] is the root: chosen, not yet run by the target
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.text: str | None = None
+        self.error: BaseException | None = None
+        state = drafter.new_state() if drafter is not None else None
+        self.ctx = DraftContext(self.tokens, len(req.ids), req.params, self.generator, 0, row=row, kv=kv, state=state)
+        self.drafting = drafter is not None
+        self.stats = Stats()
+        self.t0 = time.perf_counter()
+        self.t_prefill = 0.0
+        self.draft_s = 0.0
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.prefilled = 0  # prompt tokens in the KV store so far (chunked prefill)
+        self.hidden: dict[int, list[torch.Tensor]] = {}  # captured prompt hidden states, gathered over chunks
+        self.acc = None  # the depth policy's acceptance counters (serving)
+
+    @property
+    def row(self) -> int:
+        return self.ctx.row
+
+    def cap(self, drafter) -> int:
+        """The deepest draft this row may take now (its drafter's depth, the remaining token budget)."""
+        if drafter is None or not self.drafting:
+            return 0
+        return max(0, min(drafter.num_speculative_tokens, self.req.max_tokens - len(self.out) - 1))
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.finish = error, "error"
+
+    def record_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
+        """rows (len(tokens), V): the target logits each token was chosen from (after any grammar mask)."""
+        k = self.req.logprobs
+        if k is None:
+            return
+        lp = torch.log_softmax(rows.float(), -1)
+        chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        tops = lp.topk(k, -1) if k > 0 else None
+        for i, c in enumerate(chosen):
+            alts = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
+            self.logprobs.append((c, alts))
+
+    def emit(self, emitted: list[int]) -> None:
+        """Append a step's tokens; EOS, stop strings and max_tokens cut inside a multi-token step."""
+        n_before = len(self.out)
+        if self.req.t_first is None:
+            self.req.t_first = time.perf_counter()
+        for tok in emitted:
+            self.out.append(tok)
+            self.tokens.append(tok)
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+            text = self.stopper.check(self.out)
+            if text is not None:
+                self.finish, self.text = "stop", text
+                break
+            if len(self.out) >= self.req.max_tokens:
+                self.finish = "length"
+                break
+        cb = self.req.on_tokens
+        if cb is not None and len(self.out) > n_before:
+            new = self.out[n_before:]
+            # with logprobs asked, the callback also gets the new tokens' (logprob, alternatives)
+            go = cb(new) if self.req.logprobs is None else cb(new, self.logprobs[n_before:len(self.out)])
+            if go is False and not self.finish:
+                self.finish = "abort"
+
+    def result(self) -> GenerationResult:
+        s = self.stats
+        return GenerationResult(
+            text=self.text if self.text is not None else self.tokenizer.decode(self.out), token_ids=self.out,
+            prompt_token_ids=list(self.req.ids), finish_reason=self.finish, num_target_passes=s.passes,
+            mean_accepted_length=mean_accepted_length(len(self.out), s.passes), num_draft_tokens=s.drafted,
+            num_accepted_tokens=s.accepted, proposed_per_position=s.proposed_at, accepted_per_position=s.accepted_at,
+            prefill_seconds=self.t_prefill, total_seconds=time.perf_counter() - self.t0, draft_seconds=self.draft_s,
+            logprobs=self.logprobs[:len(self.out)] if self.req.logprobs is not None else None,
+        )
+
+
+@dataclass
+class StepReport:
+    """What one step did, for the depth policy and the metrics."""
+
+    rows: int
+    width: int  # padded tree width T of the target pass
+    pass_seconds: float
+    draft_seconds: float  # the whole step's drafting (all rows together)
+    trees: list[DraftTree]
+    accepted: list[int]
+
+
+class Stepper:
+    """Runs prefill chunks and speculative steps over rows of one KV store."""
+
+    def __init__(self, model, drafter, kv, tokenizer, prefill_chunk: int = 512):
+        self.model, self.drafter, self.kv, self.tokenizer = model, drafter, kv, tokenizer
+        self.prefill_chunk = prefill_chunk
+
+    def new_row(self, req: Request, row: int) -> Row:
+        return Row(req, self.tokenizer, self.kv, row, self.model.device, self.drafter)
+
+    def _drafter_failed(self, rows: list[Row], what: str) -> None:
+        log.exception("drafter %s failed: speculation off for %d sequence(s)", what, len(rows))
+        for r in rows:
+            r.drafting = False
+            r.ctx.state = None
+
+    # -- prefill --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, row: Row, budget: int) -> int:
+        """Up to `budget` more prompt tokens of `row` (at most `prefill_chunk` at once); after its last chunk the
+        first token is sampled and emitted. Returns the tokens prefilled; a failure fails the row alone."""
+        req, dev = row.req, self.model.device
+        start = row.prefilled
+        part = req.ids[start:start + min(budget, self.prefill_chunk)]
+        try:
+            capture = self.drafter.needs_hidden if row.drafting else ()
+            x = torch.tensor([part], device=dev)
+            pos = torch.arange(start, start + len(part), device=dev)[None]
+            out = self.model(x, pos, self.kv.begin([row.row], [len(part)]), capture=capture, num_logits=1)
+            self.kv.commit(row=row.row)
+            for c in dict.fromkeys(capture):  # ids may repeat (an EAGLE-3 drafter reading one layer twice)
+                row.hidden.setdefault(c, []).append(out.hidden[c])
+            row.prefilled += len(part)
+            if row.prefilled < len(req.ids):
+                return len(part)
+            if capture:
+                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in row.hidden.items()})
+            row.hidden = {}
+            logits = out.logits[0, -1]
+            if req.constraint is not None:
+                req.constraint.mask_row(logits)
+            first = sample_token(logits, req.params, row.generator)
+            if row.drafting:
+                t = time.perf_counter()
+                try:
+                    self.drafter.prefill(row.ctx, out)
+                except Exception:
+                    self._drafter_failed([row], "prefill")
+                row.draft_s += time.perf_counter() - t
+            row.t_prefill = time.perf_counter() - row.t0
+            if req.constraint is not None:
+                req.constraint.advance([first])
+            row.record_logprobs(logits[None], [first])
+            row.emit([first])
+        except Exception as e:
+            if not isinstance(e, SpecloomError):
+                log.exception("prefill failed")
+            row.fail(e)
+        return len(part)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, rows: list[Row]) -> StepReport:
+        """One speculative step over `rows` (pool rows 0..n-1, in order); each row's `ctx.k` is its depth."""
+        n = len(rows)
+        if [r.row for r in rows] != list(range(n)):
+            raise ValueError(f"a step runs over rows 0..{n - 1} in order, got {[r.row for r in rows]}")
+        drafter, dev = self.drafter, self.model.device
+        for r in rows:
+            r.ctx.k = min(r.ctx.k, r.cap(drafter))
+        trees: list[DraftTree] = [DraftTree([r.tokens[-1]], [-1]) for r in rows]
+        drafting = [b for b, r in enumerate(rows) if r.ctx.k > 0]
+        t = time.perf_counter()
+        if drafting:
+            try:
+                for b, tree in zip(drafting, drafter.propose([rows[b].ctx for b in drafting])):
+                    trees[b] = tree
+            except Exception:
+                self._drafter_failed([rows[b] for b in drafting], "propose")
+                trees = [DraftTree([r.tokens[-1]], [-1]) for r in rows]
+        draft_s = time.perf_counter() - t
+        for b, r in enumerate(rows):
+            r.draft_s += draft_s / n
+            if r.req.constraint is not None and len(trees[b]) > 1:
+                try:
+                    trees[b] = r.req.constraint.prune(trees[b])
+                except Exception as e:
+                    r.fail(e)
+                    trees[b] = DraftTree([r.tokens[-1]], [-1])
+
+        # one target pass over the padded trees
+        sizes = [len(tr) for tr in trees]
+        T = max(sizes)
+        base = [self.kv.lengths[b] for b in range(n)]
+        if n == 1:
+            tokens = torch.tensor([trees[0].tokens], device=dev)
+            positions = torch.tensor([trees[0].positions(base[0])], device=dev)
+            mask = None if trees[0].is_chain else trees[0].ancestor_mask(dev)
+        else:
+            tok, pos = [], []
+            mask = torch.eye(T, dtype=torch.bool).repeat(n, 1, 1) if T > 1 else None
+            for b, tree in enumerate(trees):
+                s = sizes[b]
+                tok.append(tree.tokens + [0] * (T - s))
+                pos.append(tree.positions(base[b]) + [base[b]] * (T - s))
+                if mask is not None and s > 1:
+                    mask[b, :s, :s] = tree.ancestor_mask()
+            tokens, positions = torch.tensor(tok, device=dev), torch.tensor(pos, device=dev)
+            mask = None if mask is None else mask.to(dev)
+        capture = drafter.needs_hidden if drafter is not None and any(r.drafting for r in rows) else ()
+        t_pass = time.perf_counter()
+        out = self.model(tokens, positions, self.kv.begin(range(n), sizes), attn_mask=mask, capture=capture)
+        pass_s = time.perf_counter() - t_pass
+
+        # per row: mask, verify with its own generator, commit its path
+        results = [None] * n
+        for b, r in enumerate(rows):
+            if r.finish:
+                continue
+            logits = out.logits[b, :sizes[b]]
+            try:
+                if r.req.constraint is not None:
+                    r.req.constraint.mask(trees[b], logits)
+                results[b] = verify(trees[b], logits, r.req.params, r.generator)
+                self.kv.commit(results[b].path, row=b)
+            except Exception as e:
+                results[b] = None
+                r.fail(e)
+        ok = [b for b in range(n) if results[b] is not None and rows[b].drafting]
+        if ok:
+            t = time.perf_counter()
+            try:
+                drafter.on_verified([rows[b].ctx for b in ok], [results[b] for b in ok], out)
+            except Exception:
+                self._drafter_failed([rows[b] for b in ok], "update")
+            dt = time.perf_counter() - t
+            for b in ok:
+                rows[b].draft_s += dt / len(ok)
+            draft_s += dt
+        for b, r in enumerate(rows):
+            res = results[b]
+            if res is None:
+                continue
+            try:
+                r.stats.record(trees[b], res.num_accepted)
+                if r.req.constraint is not None:
+                    r.req.constraint.advance(res.tokens)
+                if r.req.logprobs is not None:  # token i of the step was chosen from the logits of path node i
+                    r.record_logprobs(out.logits[b, torch.tensor(res.path, device=dev)], res.tokens)
+                r.emit(res.tokens)
+            except Exception as e:
+                r.fail(e)
+        return StepReport(n, T, pass_s, draft_s, trees, [0 if res is None else res.num_accepted for res in results])
