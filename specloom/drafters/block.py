@@ -25,10 +25,9 @@ import os
 import torch
 
 from ..errors import SpecloomError
-from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
-from .rows import Span, own_store
+from .rows import Span, chains, draw, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -175,21 +174,8 @@ class BlockDrafter(Drafter):
             if m.has_markov:
                 bias, state = m.markov_bias(prev, h[:, p], state)
                 lp = lp + bias
-            best = lp.argmax(-1).tolist()
-            nxt = list(best)
-            for b, c in enumerate(ctxs):
-                if p >= live[b]:
-                    continue
-                if c.params.greedy:
-                    tok = best[b]
-                else:
-                    q = probs_from_logits(lp[b], c.params)
-                    tok = int(torch.multinomial(q, 1, generator=c.generator))
-                    qs[b].append(q)
-                drafts[b].append(tok)
-                nxt[b] = tok
-            prev = torch.tensor(nxt, device=dev)
-        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
+            prev = torch.tensor(draw(ctxs, lp, [p < lv for lv in live], drafts, qs), device=dev)
+        return chains(ctxs, drafts, qs)
 
 
 @register("dflash")

@@ -20,10 +20,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpecloomError
-from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
-from .rows import Span, own_store
+from .rows import Span, chains, draw, own_store
 
 DEFAULT_K = 4
 
@@ -127,23 +126,13 @@ class DraftModelDrafter(Drafter):
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         for i in range(K):
-            best = logits.argmax(-1).tolist()
-            for b, c in enumerate(ctxs):
-                if i >= c.k:
-                    continue
-                if c.params.greedy:
-                    tok = best[b]
-                else:
-                    q = probs_from_logits(logits[b], c.params)
-                    tok = int(torch.multinomial(q, 1, generator=c.generator))
-                    qs[b].append(q)
-                drafts[b].append(tok)
+            draw(ctxs, logits, [i < c.k for c in ctxs], drafts, qs)
             if i + 1 < K:
                 logits = self._feed(store, span, ctxs, [[d[-1]] for d in drafts],
                                     [[len(c.tokens) + i] for c in ctxs])
         for c in ctxs:
             c.state["seen"] = len(c.tokens) + c.k - 1
-        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
+        return chains(ctxs, drafts, qs)
 
     def _propose_tree(self, ctxs, store, span, root_logits: torch.Tensor) -> list[DraftTree]:
         """Beam-style trees for all rows at once: per depth the w best new nodes of each row, one draft pass."""

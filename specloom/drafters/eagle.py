@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import probs_from_logits
 from ..tree import DraftTree
 from .base import DraftContext, Drafter, register
-from .rows import Span, own_store
+from .rows import Span, chains, draw, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -198,22 +197,11 @@ class EagleDrafter(Drafter):
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         for i in range(K):
-            logits = self._logits(h, i)  # (B, V_d)
-            best = m.to_target_ids(logits.argmax(-1)).tolist()
-            for b, c in enumerate(ctxs):
-                if i >= c.k:
-                    continue
-                if c.params.greedy:
-                    tok = best[b]
-                else:
-                    q = probs_from_logits(m.expand_logits(logits[b]), c.params)
-                    tok = int(torch.multinomial(q, 1, generator=c.generator))
-                    qs[b].append(q)
-                drafts[b].append(tok)
+            draw(ctxs, self._logits(h, i), [i < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
             if i + 1 < K:
                 toks = torch.tensor([[d[-1]] for d in drafts], device=h.device)
                 h = self._rows(h[:, None], toks, i + 1, ctxs, span)[:, 0]
-        return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
+        return chains(ctxs, drafts, qs)
 
     def _tree(self, ctxs, h_star: torch.Tensor, span) -> list[DraftTree]:
         """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass."""

@@ -15,6 +15,35 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling import probs_from_logits
+from ..tree import DraftTree
+
+
+def draw(ctxs, logits: torch.Tensor, take, drafts: list[list[int]], qs: list[list[torch.Tensor]],
+         to_target=None, full_vocab=None) -> list[int]:
+    """One chain position for every row: row b (where take[b]) appends its draft token from logits[b] -- the
+    argmax under greedy, else a sample from q = probs_from_logits(logits[b]) with the row's own generator (q kept
+    for the verifier). Returns every row's token (rows not taking one get their argmax, to feed on)."""
+    best = logits.argmax(-1)
+    best = (best if to_target is None else to_target(best)).tolist()
+    out = list(best)
+    for b, c in enumerate(ctxs):
+        if not take[b]:
+            continue
+        if c.params.greedy:
+            tok = best[b]
+        else:
+            q = probs_from_logits(logits[b] if full_vocab is None else full_vocab(logits[b]), c.params)
+            tok = int(torch.multinomial(q, 1, generator=c.generator))
+            qs[b].append(q)
+        drafts[b].append(tok)
+        out[b] = tok
+    return out
+
+
+def chains(ctxs, drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> list[DraftTree]:
+    return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
+
 
 def own_store(ctx, key, make):
     """The drafter's companion store `key` of the target store the row lives in (made on first use)."""
