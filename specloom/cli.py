@@ -1,4 +1,4 @@
-"""`specloom` command line: `generate` and `bench`.
+"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train` and `plot`.
 
 Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
 with status 2; there is no traceback for a user's mistake.
@@ -25,6 +25,12 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _device(p: argparse.ArgumentParser) -> None:
+    # checked in main() (loading.parse_device), so that a bad name is one SpecloomError line, not argparse usage
+    p.add_argument("--device", default=None, metavar="{cpu,cuda,cuda:N}",
+                   help="where the target and its drafter run (default: cuda when PyTorch sees a GPU, else cpu)")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="alias (smollm2-135m, gemma3-270m), a .gguf file or a HF model directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights and KV dtype (default bf16)")
@@ -33,6 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    _device(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--layers", default=None,
                    help="HF hidden_states ids to store, comma-separated (default: EAGLE-3 low/mid/high + final)")
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    _device(d)
 
     t = sub.add_parser("train", help="train a drafter on `specloom data` output")
     t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model | mtp | dflash | dspark | target (a new small "
@@ -117,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-fraction", type=float, default=0.02)
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
+    _device(t)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching and load-aware speculation")
     sv.add_argument("model")
@@ -140,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait for a free sequence slot before new ones get 429 "
                          "(default: 4 x the pool's sequences)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    _device(sv)
 
     bs = sub.add_parser("bench-serve", help="throughput and latency vs concurrency through the server: speculation "
                                             "off / fixed / load-aware, side by side in one run")
@@ -155,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--max-model-len", type=_positive_int, default=1024)
     bs.add_argument("--json", default=None, help="write the report here")
     bs.add_argument("--plot", default=None, help="PNG: throughput, latency and speed-up vs concurrency")
+    _device(bs)
 
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
@@ -167,7 +178,8 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
-    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype)
+    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                  device=args.device)
     result = engine.generate(
         args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
@@ -204,14 +216,15 @@ def _bench(args) -> int:
             raise SpecloomError(f"--compare is not valid JSON: {e.msg}") from None
         run_compare(args.model, args.prompts, candidates, limit=args.limit, per_category=args.per_category,
                     categories=args.categories.split(",") if args.categories else None,
-                    max_tokens=args.max_tokens, dtype=args.dtype, chat=not args.raw, json_out=args.json_out)
+                    max_tokens=args.max_tokens, dtype=args.dtype, chat=not args.raw, json_out=args.json_out,
+                    device=args.device)
         return 0
     run_bench(
         args.model, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
         categories=args.categories.split(",") if args.categories else None,
         max_tokens=args.max_tokens, dtype=args.dtype,
         speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
-        json_out=args.json_out,
+        json_out=args.json_out, device=args.device,
     )
     return 0
 
@@ -227,7 +240,7 @@ def _data(args) -> int:
             raise SpecloomError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
     build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
                   batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-                  capture=layers, dtype=args.dtype)
+                  capture=layers, dtype=args.dtype, device=args.device)
     return 0
 
 
@@ -251,7 +264,8 @@ def _serve(args) -> int:
 
     logging.getLogger("specloom.serve").setLevel(logging.INFO)  # admission, pool size, load-aware depth changes
     budget = parse_size(args.memory_budget)  # checked before the model loads
-    engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
+    engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
+                  device=args.device)
     kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
     server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
                     args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False)
@@ -287,7 +301,8 @@ def _bench_serve(args) -> int:
     from .bench.serve_load import run_serve_bench
 
     run_serve_bench(args.model, args.speculative_config, args.concurrency, args.modes, args.prompts,
-                    args.max_tokens, args.dtype, args.requests_per_level, args.max_model_len, args.json, args.plot)
+                    args.max_tokens, args.dtype, args.requests_per_level, args.max_model_len, args.json, args.plot,
+                    device=args.device)
     return 0
 
 
@@ -310,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
     try:
+        if hasattr(args, "device"):  # before anything loads: a bad device is one line, no traceback
+            from .loading import parse_device
+
+            args.device = str(parse_device(args.device))
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve, "data": _data, "train": _train,
                 "serve": _serve}[args.command](args)
     except SpecloomError as e:

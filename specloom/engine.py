@@ -148,14 +148,18 @@ def load(
     max_model_len: int | None = None,
     progress: bool = True,
     kv_dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = "cpu",
 ) -> Engine:
     """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` None = automatic
-    (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere)."""
-    from .loading import load_config, load_target, parse_dtype, resolve
+    (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere). `device`:
+    `cpu` (default), `cuda` or `cuda:N`, or None for `cuda` when PyTorch sees a GPU (the CLI's default); the
+    drafter is built on the target's device."""
+    from .loading import load_config, load_target, parse_device, parse_dtype, resolve
 
+    dev = parse_device(device)  # a bad device fails before anything loads
     spec = SpeculativeConfig.parse(speculative_config)  # checked before the (slow) model load
     kv_dt = None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype)
     if spec is not None:  # fail fast, before the target's weights load
         DRAFTERS[spec.method].check(spec, load_config(resolve(model))[0])
-    target, tokenizer = load_target(model, dtype, progress=progress)
+    target, tokenizer = load_target(model, dtype, progress=progress, device=dev)
     return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt)

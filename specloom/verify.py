@@ -18,6 +18,22 @@ child left to try).
 
 p is always `probs_from_logits(target_logits[i], params)` — the same temperature / top-k / top-p that drafters
 apply to q.
+
+Random numbers: one uniform per tried child, in order, then one multinomial for the emitted token, all from
+`generator` (which must live on the logits' device). Two implementations of the same rule:
+
+* CPU (`_verify_sampling`): node by node, child by child, stopping at the first acceptance. Reading a value to the
+  host costs nothing there.
+* CUDA and any other accelerator (`_verify_sampling_batched`): no host synchronisation per node. p for every node
+  comes from one `probs_from_logits` call; per tree level the uniforms of all the node's children are drawn in one
+  call, the accept tests and residuals are computed on the device, and one `.tolist()` brings the accept flags
+  back (then one more for the final multinomial). Its arithmetic is the CPU path's, operation for operation (the
+  accept test `u * q(x) < p(x)` in float64, which is exact for fp32 operands, the residual renormalised by its
+  fp32 sum, the fallback to p when the residual is empty). Uniforms drawn for children that were never tried
+  (an earlier sibling was accepted) are discarded, so the result keeps its exact distribution; on the CPU (where
+  the tests run it) the generator is then rewound so that only the tried children's uniforms are consumed, which
+  makes both paths give the same tokens seed for seed. On CUDA a seeded run is reproducible but draws a different
+  stream than a CPU run (as any CUDA sampling does).
 """
 
 from __future__ import annotations
@@ -51,7 +67,12 @@ def verify(
         raise ValueError(f"{target_logits.shape[0]} rows of logits for a tree of {len(tree)} nodes")
     if params.greedy:
         return _verify_greedy(tree, target_logits)
-    return _verify_sampling(tree, target_logits, params, generator)
+    if generator is not None and generator.device.type != target_logits.device.type:
+        raise ValueError(f"the sampling generator is on {generator.device} but the logits are on "
+                         f"{target_logits.device}: create it with SamplingParams.generator(model.device)")
+    if target_logits.device.type == "cpu":
+        return _verify_sampling(tree, target_logits, params, generator)
+    return _verify_sampling_batched(tree, target_logits, params, generator)
 
 
 def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
@@ -101,4 +122,49 @@ def _verify_sampling(tree: DraftTree, logits: torch.Tensor, params: SamplingPara
             tok = int(torch.multinomial(p, 1, generator=generator))
             return VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [tok], not children)
         node = accepted
+        path.append(node)
+
+
+def _verify_sampling_batched(tree: DraftTree, logits: torch.Tensor, params: SamplingParams,
+                             generator) -> VerifyResult:
+    """`_verify_sampling` without a host synchronisation per node (see the module docstring): one sync per tree
+    level for the accept flags, one for the emitted token."""
+    dev = logits.device
+    rewind = dev.type == "cpu"  # consume only the tried children's uniforms, as the CPU path does
+    g = generator if generator is not None or not rewind else torch.default_generator
+    probs = probs_from_logits(logits, params)  # (N, V): every node's p in one call
+    dq = tree.draft_probs
+    node, path = 0, [0]
+    while True:
+        p0 = probs[node]
+        children = tree.children(node)
+        if not children:
+            tok = int(torch.multinomial(p0, 1, generator=g))
+            return VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [tok], True)
+        n = len(children)
+        state = g.get_state() if rewind and n > 1 else None
+        u = torch.rand(n, generator=g, device=dev)  # the uniform of child i is u[i]
+        p, accepts = p0, []
+        for i, c in enumerate(children):
+            x = tree.tokens[c]
+            if dq is None:  # one-hot q: u * 1 < p(x)
+                accepts.append(u[i] < p[x])
+                p = p.clone()
+                p[x] = 0.0
+            else:
+                qx = dq[c, x]
+                accepts.append((qx > 0) & (u[i].double() * qx.double() < p[x].double()))
+                p = (p - dq[c]).clamp_min(0.0)
+            total = p.sum()
+            # p <= q everywhere means p == q: a rejection had probability 0; keep p (as the CPU path does)
+            p = torch.where(total <= 0.0, p0, p / total)
+        flags = torch.stack(accepts).tolist()  # the one host sync of this level
+        k = next((i for i, f in enumerate(flags) if f), None)
+        if state is not None and k is not None and k + 1 < n:
+            g.set_state(state)
+            torch.rand(k + 1, generator=g, device=dev)  # the tried children's uniforms only
+        if k is None:  # p is the residual after every child
+            tok = int(torch.multinomial(p, 1, generator=g))
+            return VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [tok], False)
+        node = children[k]
         path.append(node)

@@ -89,6 +89,30 @@ def test_bad_speculative_config(capsys, spec, needle):
     assert_clean_error(rc, err, needle)
 
 
+DEVICE_COMMANDS = [
+    ("generate", "smollm2-135m", "--prompt", "hi"),
+    ("bench", "smollm2-135m", "--prompts", "p.jsonl"),
+    ("serve", "smollm2-135m"),
+    ("bench-serve", "smollm2-135m", "--prompts", "p.jsonl"),
+    ("data", "--target", "smollm2-135m", "--prompts", "p.jsonl", "--out", "d"),
+    ("train", "eagle3", "--target", "smollm2-135m", "--data", "d", "--out", "o"),
+]
+
+
+@pytest.mark.parametrize("command", DEVICE_COMMANDS, ids=[c[0] for c in DEVICE_COMMANDS])
+@pytest.mark.parametrize("device, needle", [("tpu", "unknown device 'tpu'"), ("cuda:x", "unknown device"),
+                                            ("cuda", "use --device cpu")])
+def test_bad_device(capsys, command, device, needle):
+    """Checked before anything loads: an unknown name, or CUDA on a machine (or torch build) without it."""
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        device, needle = f"cuda:{torch.cuda.device_count()}", "CUDA device(s)"
+    rc, _, err = run_in_process(capsys, *command, "--device", device)
+    assert rc == 2
+    assert_clean_error(rc, err, needle)
+
+
 def test_bad_temperature(capsys):
     rc, _, err = run_in_process(capsys, "generate", "smollm2-135m", "--prompt", "hi", "--temperature", "-1")
     assert_clean_error(rc, err, "temperature")

@@ -112,9 +112,11 @@ def run_bench(
     kv_dtype: str | None = None,
     per_category: int | None = None,
     categories: list[str] | None = None,
+    device: str | None = "cpu",
 ) -> dict:
     rows = read_prompts(prompts, limit, per_category, categories)
-    engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype)
+    engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype,
+                  device=device)
     candidate = EngineRunner(engine, "specloom" + (f"+{engine.speculative_config.method}"
                                                    if engine.speculative_config else ""))
     if baseline == "hf":
@@ -196,7 +198,8 @@ def run_bench(
         "prefill_included": True,
         "environment": {
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
-            platform.machine(), "python": platform.python_version(),
+            platform.machine(), "python": platform.python_version(), "device": str(engine.model.device),
+            **({"gpu": torch.cuda.get_device_name(engine.model.device)} if engine.model.device.type == "cuda" else {}),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         },
         "prompts": per_prompt,

@@ -59,12 +59,12 @@ def _costs(rows: list[dict]) -> dict:
 
 def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_category=None, categories=None,
                 max_tokens: int = 128, dtype: str = "bf16", chat: bool = True, json_out: str | None = None,
-                progress: bool = True) -> dict:
+                progress: bool = True, device: str | None = "cpu") -> dict:
     if not isinstance(candidates, dict) or not candidates:
         raise SpecloomError('--compare needs a JSON object {"name": {speculative config}, ...}')
     specs = {name: SpeculativeConfig.parse(spec) for name, spec in candidates.items()}
     rows = read_prompts(prompts, limit, per_category, categories)
-    plain_engine = load(model, dtype=dtype, progress=progress)
+    plain_engine = load(model, dtype=dtype, progress=progress, device=device)
     m, tok = plain_engine.model, plain_engine.tokenizer
     from ..drafters import DRAFTERS
 

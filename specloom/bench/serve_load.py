@@ -120,7 +120,8 @@ def _level(live, model, prompts, c, max_tokens):
 
 def run_serve_bench(model: str, speculative_config, concurrency: list[int], modes: list[str], prompts_path: str,
                     max_tokens: int = 64, dtype: str = "bf16", requests_per_level: int = 8,
-                    max_model_len: int = 1024, json_out: str | None = None, plot: str | None = None) -> dict:
+                    max_model_len: int = 1024, json_out: str | None = None, plot: str | None = None,
+                    device: str | None = "cpu") -> dict:
     from ..engine import load
     from ..serving.api import Server
     from ..serving.load_aware import batch_cost_cached
@@ -128,7 +129,7 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
 
     prompts = [r["text"] for r in read_prompts(prompts_path)]
     random.Random(0).shuffle(prompts)  # every level gets a mix of categories (Spec-Bench files are sorted by one)
-    engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len)
+    engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len, device=device)
     fits = [p for p in prompts if len(engine.encode(p, chat=True)) + max_tokens <= max_model_len]
     print(f"{len(fits)} of {len(prompts)} prompts fit --max-model-len {max_model_len} with {max_tokens} new tokens",
           flush=True)

@@ -19,6 +19,20 @@ from ..tokenizer import cache_dir, file_cache_key
 SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_tag(device: torch.device) -> str:
+    """Cache-name suffix for measurements taken on `device`: empty on the CPU (names as before), else e.g.
+    `-cuda-NVIDIA_H200`, so a curve measured on one device is never reused on another."""
+    if device.type != "cuda":
+        return ""
+    return "-cuda-" + "".join(ch if ch.isalnum() else "_" for ch in torch.cuda.get_device_name(device))
+
+
 @torch.inference_mode()
 def measure_verify_cost(model, sizes=SIZES, context: int = 256, repeats: int = 7) -> dict[int, float]:
     """Median seconds of one forward pass over n tree nodes after `context` cached tokens (causal tree)."""
@@ -34,8 +48,10 @@ def measure_verify_cost(model, sizes=SIZES, context: int = 256, repeats: int = 7
         mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril() if n > 1 else None
         times = []
         for _ in range(repeats + 1):
+            sync(dev)
             t = time.perf_counter()
             model(x, pos, kv, attn_mask=mask)
+            sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
             kv.truncate(context)
             times.append(time.perf_counter() - t)
         out[n] = statistics.median(times[1:])
@@ -48,7 +64,8 @@ def verify_cost_curve(model, refresh: bool = False) -> dict[int, float]:
     key = file_cache_key(src.path) if src is not None and os.path.isfile(src.path) else None
     path = None
     if key:
-        name = f"{key}-{str(model.dtype).replace('torch.', '')}-t{torch.get_num_threads()}.json"
+        dt = str(model.dtype).replace("torch.", "")
+        name = f"{key}-{dt}-t{torch.get_num_threads()}{device_tag(model.device)}.json"
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
             with open(path) as f:

@@ -251,7 +251,9 @@ def build_block(path: str, raw: dict, target, method: str) -> BlockDraftModel:
         model = BlockDraftModel(cfg)
     model.to_empty(device=target.device)
     dt = target.dtype
-    model.load_state_dict({k: v.to(dt) for k, v in state.items()}, strict=True, assign=True)
+    # assign=True keeps the given tensors: they must already sit on the target's device
+    model.load_state_dict({k: v.to(device=target.device, dtype=dt) for k, v in state.items()}, strict=True,
+                          assign=True)
     model.eval().requires_grad_(False)
     model.attach_target(target)
     pack_linears(model)

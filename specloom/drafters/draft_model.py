@@ -72,7 +72,7 @@ class DraftModelDrafter(Drafter):
         if source is not None and draft_source.path == source.path:
             model, draft_tok = target, tokenizer  # the target drafting for itself: share the weights
         else:
-            model, draft_tok = load_target(spec.model, target.dtype, progress=False)
+            model, draft_tok = load_target(spec.model, target.dtype, progress=False, device=target.device)
         check_same_token_ids(tokenizer, draft_tok, spec.model)
         return cls(model, spec.num_speculative_tokens or DEFAULT_K, spec.tree_width or 1)
 

@@ -134,8 +134,10 @@ def build_eagle(path: str, raw: dict, target, eagle3: bool) -> EagleDraftModel:
         model = EagleDraftModel(cfg)
     model.to_empty(device=target.device)
     dt = target.dtype
-    model.load_state_dict({k: (v.to(dt) if v.is_floating_point() else v) for k, v in state.items()},
-                          strict=True, assign=True)
+    # assign=True keeps the given tensors: they must already sit on the target's device
+    dev = target.device
+    model.load_state_dict({k: (v.to(device=dev, dtype=dt) if v.is_floating_point() else v.to(dev))
+                           for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.attach_target(target)
     pack_linears(model)

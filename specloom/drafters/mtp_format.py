@@ -96,7 +96,7 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
                 t = t.float() + 1.0  # Gemma's (1 + w) norms, as the target loader folds them
             state[f"layers.{i}.{name}"] = t.float()
     model.load_state_dict(state)
-    model.to(target.dtype).eval().requires_grad_(False)
+    model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     model.attach_target(target)
     if tokenizer is not None:
         check_target(meta, target, tokenizer, path)

@@ -91,6 +91,34 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def default_device() -> str:
+    """`cuda` when PyTorch sees a GPU, else `cpu`."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_device(device: str | torch.device | None = None) -> torch.device:
+    """`cpu`, `cuda` or `cuda:N` (None or "auto": `default_device()`) -> torch.device; a `SpecloomError` for an
+    unknown name or a CUDA device this machine does not have."""
+    if device is None or device == "auto":
+        device = default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise SpecloomError(f"unknown device {str(device)!r} (choose cpu, cuda or cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support (a CPU wheel; see the README's CUDA section)"
+                   if torch.version.cuda is None else "PyTorch sees no CUDA GPU on this machine")
+            raise SpecloomError(f"device {str(device)!r}: {why}; use --device cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise SpecloomError(f"device {str(device)!r}: this machine has {count} CUDA device(s) "
+                                f"(cuda:0{f' .. cuda:{count - 1}' if count > 1 else ''})")
+    return dev
+
+
 def _hf_dir_tensors(path: str):
     from safetensors import safe_open
 
@@ -135,10 +163,14 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
 
 
 def load_target(
-    name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True
+    name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
+    device: str | torch.device | None = "cpu",
 ) -> tuple[DecoderLM, Tokenizer]:
-    """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory."""
+    """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory. `device`:
+    where the weights go (`cpu`, `cuda`, `cuda:N`; None = `default_device()`); tensors are read (and GGUF blocks
+    dequantized) on the CPU and moved there module by module."""
     dt = parse_dtype(dtype)
+    dev = parse_device(device)
     source = resolve(name)
     if progress:
         print(f"specloom: loading {name} ({source.kind}: {source.path})", file=sys.stderr, flush=True)
@@ -150,16 +182,17 @@ def load_target(
         tensors, quant_config = gguf_raw_tensors(source.path, raw), None  # dequantized by the `gguf` format
     else:
         tensors, quant_config = _hf_dir_tensors(source.path), raw.get("quantization_config")
-    state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, progress=progress)
-    model = build_model(config, state)
+    state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, device=dev, progress=progress)
+    model = build_model(config, state, device=dev)
     if pack:
-        # each linear runs the kernel its weight format picks: oneDNN's packed layout for bf16 on CPU, else dense
-        apply_kernels(model, plan)
+        # each linear runs the kernel its weight format picks: oneDNN's packed layout for bf16 on CPU, plain
+        # nn.Linear (cuBLAS) on CUDA
+        apply_kernels(model, plan, device=dev)
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
     else:
         tokenizer = Tokenizer.from_dir(source.path, config.eos_token_ids)
     model.source = source
-    log.info("loaded %s (%s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""),
+    log.info("loaded %s (%s, %s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""), dev,
              time.perf_counter() - t0)
     return model, tokenizer

@@ -105,6 +105,8 @@ class BatchCost:
 def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int = 3, progress=None) -> BatchCost:
     """Time passes over n rows x T tokens through a KV pool (the serving path) after about `context` cached
     tokens (rows of slightly different lengths, as in serving: ragged passes)."""
+    from ..bench.verify_cost import sync
+
     rows = [n for n in ROWS if n <= max_rows] or [1]
     pool = model.new_kv(context + max(TOKENS) + 1, batch=max(rows), active=0)
     dev = model.device
@@ -122,8 +124,10 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int = 
             pos = lengths + torch.arange(t, device=dev)[None]
             times = []
             for _ in range(repeats + 1):
+                sync(dev)
                 s = time.perf_counter()
                 model(x, pos, pool.begin(range(n), [t] * n))
+                sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
                 times.append(time.perf_counter() - s)
             out[(n, t)] = statistics.median(times[1:])
             if progress:
@@ -133,13 +137,14 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int = 
 
 def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> BatchCost:
     """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads and rows."""
+    from ..bench.verify_cost import device_tag
     from ..tokenizer import cache_dir, file_cache_key
 
     src = getattr(model, "source", None)
     path = None
     if src is not None and os.path.isfile(src.path):
         name = (f"batch-{file_cache_key(src.path)}-{str(model.dtype).replace('torch.', '')}"
-                f"-t{torch.get_num_threads()}-r{max_rows}.json")
+                f"-t{torch.get_num_threads()}-r{max_rows}{device_tag(model.device)}.json")
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
             with open(path) as f:

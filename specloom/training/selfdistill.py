@@ -141,12 +141,13 @@ def build_dataset(
     limit: int | None = None,
     capture: tuple[int, ...] | None = None,
     dtype: str = "bf16",
+    device: str | None = "cpu",
 ) -> dict:
     from ..loading import load_target
     from ..fingerprint import fingerprint
 
     prompts = read_prompts(prompt_paths)
-    model, tok = load_target(target, dtype)
+    model, tok = load_target(target, dtype, device=device)
     L = model.config.num_layers
     capture = tuple(capture) if capture else default_capture(L)
     encoded, skipped = [], 0
@@ -214,7 +215,7 @@ def build_dataset(
             "loss_mask": torch.tensor(masks, dtype=torch.uint8),
         }
         for c in capture:
-            tensors[f"hidden.{c}"] = torch.cat(hid[c]).to(torch.bfloat16).contiguous()
+            tensors[f"hidden.{c}"] = torch.cat(hid[c]).to("cpu", torch.bfloat16).contiguous()
         save_file(tensors, path + ".tmp")
         os.replace(path + ".tmp", path)
         done_tokens += len(toks)

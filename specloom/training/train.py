@@ -49,6 +49,22 @@ def _sample_rows(mask: torch.Tensor, fraction: float, gen: torch.Generator) -> t
     return idx[torch.randperm(idx.numel(), generator=gen)[:n]]
 
 
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A collated batch (tokens, valid, loss_mask, hidden {id: ...}) on `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    return {k: ({c: t.to(device, non_blocking=True) for c, t in v.items()} if isinstance(v, dict)
+                else v.to(device, non_blocking=True)) for k, v in batch.items()}
+
+
+def train_device(args) -> torch.device:
+    """`--device` (cpu, cuda, cuda:N; None: cuda when PyTorch sees a GPU) as a checked torch.device; callers that
+    build `args` themselves without a `device` train on the CPU."""
+    from ..loading import parse_device
+
+    return parse_device(getattr(args, "device", "cpu"))
+
+
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """x[:, t] <- x[:, t + n] (zero/False past the end) along dim 1."""
     if n == 0:
@@ -236,10 +252,11 @@ class DraftModelTrainer(_Base):
     def loss(self, batch):
         tokens, valid = batch["tokens"], batch["valid"]
         B, T = tokens.shape
+        dev = tokens.device
         kv = self.model.new_kv(T, dtype=torch.float32, batch=B)
-        pos = torch.arange(T)[None].expand(B, T)
-        mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]
-        mask |= torch.eye(T, dtype=torch.bool)[None]
+        pos = torch.arange(T, device=dev)[None].expand(B, T)
+        mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
+        mask |= torch.eye(T, dtype=torch.bool, device=dev)[None]
         out = self.model(tokens, pos, kv, attn_mask=mask, capture=(cfg_l := self.model.config.num_layers,))
         h = out.hidden[cfg_l]
         rows = _sample_rows(valid, self.args.loss_fraction, self.gen)
@@ -299,11 +316,12 @@ def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
 @torch.no_grad()
 def evaluate(tr, data, index, args, max_batches: int = 8) -> dict:
     sums, n = {}, 0
+    dev = tr.target.device
     for b, batch in enumerate(data.batches(index, args.tokens_per_batch, seed=0)):
         if b >= max_batches:
             break
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            loss, metrics = tr.loss(batch)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
+            loss, metrics = tr.loss(to_device(batch, dev))
         for k, v in {"loss": float(loss), **metrics}.items():
             sums[k] = sums.get(k, 0.0) + v
         n += 1
@@ -319,8 +337,9 @@ def run_training(args) -> dict:
         raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(TRAINERS))})")
     if getattr(TRAINERS[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
         return TRAINERS[args.kind].run(args)
+    dev = train_device(args)
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, "bf16", pack=False)
+    target, tokenizer = load_target(args.target, "bf16", pack=False, device=dev)
     L = target.config.num_layers
     ids = tuple(sorted({*TRAINERS[args.kind].data_ids(L), L}))
     data = DistillData(args.data, ids, max_tokens=args.max_data_tokens)
@@ -334,6 +353,7 @@ def run_training(args) -> dict:
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)", file=sys.stderr, flush=True)
     tr = TRAINERS[args.kind](target, tokenizer, data, args)
+    tr.model.to(dev)  # built on the CPU (the draft model trainer's: already on the target's device)
     if args.init_from:
         _init_from(tr, args.init_from)
     params = tr.parameters()
@@ -364,10 +384,10 @@ def run_training(args) -> dict:
         for group in data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch)[max(skip, 0):]:
             if step >= total:
                 break
-            batch = data.collate(group, 1024)
+            batch = to_device(data.collate(group, 1024), dev)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, total, args.lr, args.warmup)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                 loss, metrics = tr.loss(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -418,14 +438,15 @@ def topk_accuracy_medusa(tr, data, index, args, max_batches: int = 4) -> list[li
     for b, batch in enumerate(data.batches(index, args.tokens_per_batch, seed=0)):
         if b >= max_batches:
             break
+        batch = to_device(batch, tr.target.device)
         final, valid = batch["hidden"][tr.L], batch["valid"]
         for k, head in enumerate(tr.model):
             ok = (_shift(valid, 1 + k) & valid).flatten()
             x = final.flatten(0, 1)[ok]
             tgt = F.linear(_shift(final, 1 + k).flatten(0, 1)[ok].to(tr.head_w.dtype), tr.head_w).argmax(-1)
             top = F.linear(head(x.to(head[0].linear.weight.dtype)).to(tr.head_w.dtype), tr.head_w).topk(TOPK).indices
-            hits[k] += (top == tgt[:, None]).float().sum(0)
-            count[k] += ok.sum()
+            hits[k] += (top == tgt[:, None]).float().sum(0).cpu()
+            count[k] += int(ok.sum())
     return (hits / count.clamp(min=1)[:, None]).tolist()
 
 

@@ -89,7 +89,8 @@ class _BlockTrainer(_Base):
         bs = self.model.config.block_size
         B, T = valid.shape
         n = valid.sum(1, keepdim=True)
-        pos = torch.arange(T)[None]
+        dev = valid.device
+        pos = torch.arange(T, device=dev)[None]
         ok = loss_mask & valid & (pos >= 1) & (pos <= n - 1 - bs)
         A = self.args.num_anchors
         picks = []
@@ -99,8 +100,8 @@ class _BlockTrainer(_Base):
                 idx = idx[torch.randperm(idx.numel(), generator=self.gen)[:A]].sort().values
             picks.append(idx)
         width = max(1, max(p.numel() for p in picks))
-        anchors = torch.zeros(B, width, dtype=torch.long)
-        good = torch.zeros(B, width, dtype=torch.bool)
+        anchors = torch.zeros(B, width, dtype=torch.long, device=dev)
+        good = torch.zeros(B, width, dtype=torch.bool, device=dev)
         for b, p in enumerate(picks):
             anchors[b, :p.numel()] = p
             good[b, :p.numel()] = True
@@ -116,10 +117,11 @@ class _BlockTrainer(_Base):
         feats = torch.cat([batch["hidden"][i] for i in self.feature_ids], -1)
         h = m.train_blocks(feats, tokens, valid, anchors)  # (B, A, bs, H)
         s0, S = c.first_slot, c.num_drafts
-        slots = torch.arange(S)
+        dev = tokens.device
+        slots = torch.arange(S, device=dev)
         # target row whose next-token distribution labels each drafted slot = the position before its token
         rows = anchors[..., None] + slots  # (B, A, S); DFlash slot j+1 / DSpark slot j predict position row + 1
-        bidx = torch.arange(tokens.shape[0])[:, None].expand_as(anchors)[good]  # (N,)
+        bidx = torch.arange(tokens.shape[0], device=dev)[:, None].expand_as(anchors)[good]  # (N,)
         rows = rows[good]  # (N, S)
         hs = h[:, :, s0:s0 + S][good]  # (N, S, H)
         tgt = self.target_logits(batch["hidden"][self.L][bidx[:, None], rows])  # (N, S, V)
@@ -131,7 +133,7 @@ class _BlockTrainer(_Base):
                 bj, state = m.markov_bias(prev[:, j], hs[:, j], state)
                 bias.append(bj)
             logits = logits + torch.stack(bias, 1)
-        w = torch.tensor([math.exp(-j / DECAY) for j in range(S)])
+        w = torch.tensor([math.exp(-j / DECAY) for j in range(S)], device=dev)
         ce = _soft_ce(logits, tgt)  # (N, S)
         total = (ce * w).sum() / (ce.shape[0] * w.sum())
         metrics = {}

@@ -40,7 +40,9 @@ class TargetTrainer:
         from ..models import FAMILIES
         from ..tokenizer import Tokenizer
         from .dataset import DistillData
+        from .train import to_device, train_device
 
+        dev = train_device(args)
         torch.manual_seed(args.seed)
         src = resolve(args.target)
         base, _ = load_config(src)
@@ -64,6 +66,8 @@ class TargetTrainer:
                 p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02)
         mtp = MTPModel(cfg, args.mtp)
         init_mtp(mtp, seed=args.seed)
+        model.to(dev)
+        mtp.to(dev)
         mtp.attach_target(model)
         data = DistillData(args.data, (), max_tokens=args.max_data_tokens)
         train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
@@ -84,10 +88,10 @@ class TargetTrainer:
             for group in data.groups(train_idx, args.tokens_per_batch, args.seed + epoch, 512):
                 if step >= total:
                     break
-                batch = data.collate(group, 512)
+                batch = to_device(data.collate(group, 512), dev)
                 for pg in opt.param_groups:
                     pg["lr"] = _lr_at(step, total, args.lr, args.warmup)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                     loss, metrics = joint_loss(model, mtp, batch, args.loss_fraction, g)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -102,7 +106,8 @@ class TargetTrainer:
         model.eval()
         mtp.eval()
         with torch.no_grad():
-            ev = [joint_loss(model, mtp, b, 1.0, g)[1] for _, b in zip(range(8), data.batches(eval_idx, 4096, 0, 512))]
+            ev = [joint_loss(model, mtp, to_device(b, dev), 1.0, g)[1]
+                  for _, b in zip(range(8), data.batches(eval_idx, 4096, 0, 512))]
         held = {k: sum(e[k] for e in ev) / len(ev) for k in ev[0]} if ev else {}
         print("specloom train target: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in held.items()),
               file=sys.stderr, flush=True)
@@ -131,9 +136,10 @@ def joint_loss(model, mtp, batch, fraction: float, gen: torch.Generator):
     B, T = tokens.shape
     L = model.config.num_layers
     kv = model.new_kv(T, dtype=torch.float32, batch=B)
-    pos = torch.arange(T)[None].expand(B, T)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :]
-    mask |= torch.eye(T, dtype=torch.bool)[None]
+    dev = tokens.device
+    pos = torch.arange(T, device=dev)[None].expand(B, T)
+    mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
+    mask |= torch.eye(T, dtype=torch.bool, device=dev)[None]
     final = model(tokens, pos, kv, attn_mask=mask, capture=(L,), num_logits=1).hidden[L]
     metrics = {}
 
