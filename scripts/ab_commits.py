@@ -21,6 +21,7 @@ import tempfile
 
 def run(tree: str, bench_args: list[str]) -> dict:
     tree = os.path.abspath(tree)
+    bench_args = [os.path.abspath(a) if os.path.exists(a) else a for a in bench_args]  # paths survive the cwd
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         env = dict(os.environ, PYTHONPATH=tree)
@@ -28,7 +29,7 @@ def run(tree: str, bench_args: list[str]) -> dict:
                 "specloom.__file__; sys.argv = ['specloom', 'bench'] + sys.argv[2:]; "
                 "from specloom.cli import main; main()")
         subprocess.run([sys.executable, "-c", code, tree, *bench_args, "--json", out], env=env, check=True,
-                       stdout=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, cwd=tree)  # cwd: `python -c` puts it first on sys.path
         with open(out) as f:
             return json.load(f)
 

@@ -117,10 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--mask-token-id", type=int, default=None,
                    help="dflash, dspark: the MASK token of the block (default: the highest-id special token that "
                         "is not BOS/EOS/pad and never occurs in the data, e.g. SmolLM2's <empty_output>)")
-    from .training import train_mtp, train_target
+    import importlib
 
-    train_mtp.add_arguments(t)
-    train_target.add_arguments(t)
+    from .drafters import KINDS
+
+    for module in dict.fromkeys(m for kind in KINDS.values() for m in kind.trainers):  # kinds' own options
+        add = getattr(importlib.import_module(module), "add_arguments", None)
+        if add is not None:
+            add(t)
     t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
     t.add_argument("--eval-fraction", type=float, default=0.02)
     t.add_argument("--save-every", type=_positive_int, default=100)

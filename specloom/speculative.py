@@ -1,11 +1,12 @@
 """`--speculative-config`: vLLM's JSON keys, parsed and checked up front.
 
-Accepted keys (vLLM's names): `method`, `model`, `num_speculative_tokens`, `prompt_lookup_min`,
-`prompt_lookup_max`, `draft_tensor_parallel_size` (must be 1 here), `disable_by_batch_size`; ours:
-`tree_width` (top-k expanded per depth: a tree instead of a chain; draft_model, eagle, eagle3),
-`num_draft_tokens` (tree nodes kept, SGLang's `speculative_num_draft_tokens`), `confidence_threshold` (dspark: stop
-the block before the first slot whose confidence is below it; 0 = off). Unknown keys are refused with the list of known
-ones, never silently ignored.
+The common keys (vLLM's names) are checked here: `method`, `model`, `num_speculative_tokens`,
+`disable_by_batch_size`, `draft_tensor_parallel_size` (must be 1 here). Every other key belongs to a drafter kind,
+which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
+`num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`),
+`prompt_lookup_min` / `prompt_lookup_max` (ngram), `confidence_threshold` (dflash, dspark). A key no kind knows is
+refused with the list of known ones; a key of another kind is refused naming the method's own keys. Nothing is
+silently ignored.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from .drafters import DRAFTERS
+from .drafters import DRAFTERS, KINDS, Kind
 from .errors import SpecloomError
 
 KNOWN_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
 MAX_SPECULATIVE_TOKENS = 64
-_KEYS = {
-    "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    "draft_tensor_parallel_size", "disable_by_batch_size", "tree_width", "num_draft_tokens", "confidence_threshold",
-}
+COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"}
+
+
+def _all_keys() -> set[str]:
+    return COMMON_KEYS | {k for kind in KINDS.values() for k in kind.keys}
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,9 @@ class SpeculativeConfig:
                 raise SpecloomError(f"--speculative-config is not valid JSON: {e.msg} at column {e.colno}") from None
         if not isinstance(spec, dict):
             raise SpecloomError("--speculative-config must be a JSON object, e.g. '{\"method\": \"ngram\"}'")
-        unknown = sorted(set(spec) - _KEYS)
+        unknown = sorted(set(spec) - _all_keys())
         if unknown:
-            raise SpecloomError(f"unknown --speculative-config keys {unknown}; known keys: {sorted(_KEYS)}")
+            raise SpecloomError(f"unknown --speculative-config keys {unknown}; known keys: {sorted(_all_keys())}")
         method = spec.get("method")
         if method is None and spec.get("model"):
             method = "draft_model"  # vLLM infers the method from the model; a plain model means a draft model
@@ -60,32 +62,28 @@ class SpeculativeConfig:
             raise SpecloomError(
                 f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
             )
-        w = spec.get("tree_width")
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= 16):
-            raise SpecloomError(f"tree_width must be an integer in [1, 16], got {w!r}")
-        nd = spec.get("num_draft_tokens")
-        if nd is not None and (not isinstance(nd, int) or isinstance(nd, bool) or not 1 <= nd <= 256):
-            raise SpecloomError(f"num_draft_tokens must be an integer in [1, 256], got {nd!r}")
-        ct = spec.get("confidence_threshold")
-        if ct is not None and (not isinstance(ct, (int, float)) or isinstance(ct, bool) or not 0.0 <= ct <= 1.0):
-            raise SpecloomError(f"confidence_threshold must be a number in [0, 1], got {ct!r}")
+        d = spec.get("disable_by_batch_size")
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise SpecloomError(f"disable_by_batch_size must be a positive integer, got {d!r}")
         if spec.get("draft_tensor_parallel_size", 1) != 1:
             raise SpecloomError("draft_tensor_parallel_size must be 1 (specloom runs on one device)")
-        if method not in DRAFTERS:
+        if method not in KINDS and method in DRAFTERS:  # registered without a record: common keys only
+            KINDS[method] = Kind(method, DRAFTERS[method])
+        if method not in KINDS:
             if method in KNOWN_METHODS:
                 raise SpecloomError(
                     f"speculative method {method!r} is not available yet in this version of specloom "
-                    f"(available: {', '.join(sorted(DRAFTERS)) or 'none'})"
+                    f"(available: {', '.join(sorted(KINDS)) or 'none'})"
                 )
             raise SpecloomError(f"unknown speculative method {method!r} (known: {', '.join(KNOWN_METHODS)})")
-        return cls(
-            method=method,
-            model=spec.get("model"),
-            num_speculative_tokens=k,
-            prompt_lookup_min=spec.get("prompt_lookup_min"),
-            prompt_lookup_max=spec.get("prompt_lookup_max"),
-            disable_by_batch_size=spec.get("disable_by_batch_size"),
-            tree_width=w,
-            num_draft_tokens=nd,
-            confidence_threshold=None if ct is None else float(ct),
-        )
+        kind = KINDS[method]
+        own = {}
+        for key in sorted(set(spec) - COMMON_KEYS):
+            if key not in kind.keys:
+                raise SpecloomError(
+                    f"speculative method {method!r} does not take {key!r} (its own keys: "
+                    f"{', '.join(sorted(kind.keys)) or 'none'}; common keys: {', '.join(sorted(COMMON_KEYS))})")
+            if spec[key] is not None:
+                own[key] = kind.keys[key](key, spec[key])
+        return cls(method=method, model=spec.get("model"), num_speculative_tokens=k, disable_by_batch_size=d,
+                   **own)

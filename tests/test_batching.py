@@ -13,7 +13,7 @@ import torch
 
 from specloom import Engine, SpecloomError
 from specloom.drafters.checkpoint import specloom_meta
-from specloom.drafters.mtp_format import save_into_target
+from specloom.drafters.mtp.format import save_into_target
 from specloom.sampling import SamplingParams
 from specloom.serving.batch import BatchScheduler, QueueFull, Sequence
 from specloom.serving.load_aware import Acceptance, BatchCost, DepthPolicy

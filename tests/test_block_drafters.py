@@ -15,10 +15,10 @@ import torch
 import specloom
 from specloom import Engine, SpecloomError
 from specloom.drafters import DRAFTERS
-from specloom.drafters.block_format import add_to_target_dir
-from specloom.drafters.block_model import BlockDraftConfig, BlockDraftModel
+from specloom.drafters.block.format import add_to_target_dir
+from specloom.drafters.block.model import BlockDraftConfig, BlockDraftModel
 from specloom.drafters.checkpoint import save_drafter, specloom_meta
-from specloom.drafters.eagle_model import init_weights
+from specloom.drafters.eagle.model import init_weights
 from specloom.speculative import SpeculativeConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]

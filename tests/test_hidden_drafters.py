@@ -11,8 +11,8 @@ import torch
 
 from specloom import Engine
 from specloom.drafters.checkpoint import save_drafter, specloom_meta
-from specloom.drafters.eagle_model import EagleDraftModel, eagle_config_for, init_weights
-from specloom.drafters.medusa import MedusaHeads
+from specloom.drafters.eagle.model import EagleDraftModel, eagle_config_for, init_weights
+from specloom.drafters.medusa.drafter import MedusaHeads
 from specloom.speculative import SpeculativeConfig
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
@@ -198,9 +198,9 @@ def test_bundled_lookup_and_settings(drafters):
         Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "eagle3"}))
     from types import SimpleNamespace
 
-    from specloom.drafters.block import _declares_dspark
+    from specloom.drafters.block.drafter import _declares_dspark
     from specloom.drafters.checkpoint import find_builtin_dir
-    from specloom.drafters.mtp_format import declares_mtp
+    from specloom.drafters.mtp.format import declares_mtp
 
     builtin = {"mtp": declares_mtp, "dspark": _declares_dspark}  # found as built into the target (overlays)
     for method in ("eagle3", "eagle", "medusa", "dflash", "mtp", "dspark"):

@@ -13,8 +13,8 @@ import torch
 import specloom
 from specloom import Engine, SpecloomError
 from specloom.drafters.checkpoint import specloom_meta
-from specloom.drafters.mtp_format import MTP_FILE, load_mtp, save_into_target, save_overlay
-from specloom.drafters.mtp_model import MTPModel, init_mtp
+from specloom.drafters.mtp.format import MTP_FILE, load_mtp, save_into_target, save_overlay
+from specloom.drafters.mtp.model import MTPModel, init_mtp
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52]]
 N = 25

@@ -1,8 +1,11 @@
-"""Drafters register themselves by name (`@register("ngram")`); importing this package registers all of them.
-The engine looks a method up in `DRAFTERS` and never branches on its name."""
+"""Drafters, one sub-package per kind (its drafter, the network shared by training and inference, its checkpoint
+formats and its trainer): ngram, draft_model, medusa, eagle (eagle, eagle3), mtp, block (dflash, dspark).
 
-from . import draft_model, eagle, eagle_format, medusa, medusa_format, mtp, ngram  # noqa: F401  (registration)
-from . import block, block_format  # noqa: F401  (registration)
-from .base import DRAFTERS, DraftContext, Drafter, register
+Each kind registers itself with one record (`@register(name, keys, trainers)` in base.py: the drafter class, its
+own `--speculative-config` keys with their checks, its trainer modules); importing this package registers all of
+them. The engine looks a method up in `DRAFTERS` / `KINDS` and never branches on its name."""
 
-__all__ = ["DRAFTERS", "DraftContext", "Drafter", "register"]
+from . import block, draft_model, eagle, medusa, mtp, ngram  # noqa: F401  (registration)
+from .base import DRAFTERS, KINDS, DraftContext, Drafter, Kind, register
+
+__all__ = ["DRAFTERS", "KINDS", "DraftContext", "Drafter", "Kind", "register"]

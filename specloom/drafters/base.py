@@ -19,10 +19,11 @@ with `@register("name")` and are built by `create(spec, target, tokenizer)`; the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SpecloomError
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 
@@ -45,11 +46,47 @@ def kv_bytes_per_1k(num_layers: int, num_kv_heads: int, head_dim: int, dtype) ->
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() * 1000
 
 
-def register(name: str):
+def int_key(lo: int, hi: int):
+    """A --speculative-config key holding an integer in [lo, hi]."""
+    def check(name, v):
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise SpecloomError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        return v
+    return check
+
+
+def float_key(lo: float, hi: float):
+    """A --speculative-config key holding a number in [lo, hi]."""
+    def check(name, v):
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+            raise SpecloomError(f"{name} must be a number in [{lo:g}, {hi:g}], got {v!r}")
+        return float(v)
+    return check
+
+
+TREE_KEYS = {"tree_width": int_key(1, 16), "num_draft_tokens": int_key(1, 256)}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One drafter kind: its drafter class, its own --speculative-config keys (name -> check(name, value) that
+    returns the value or raises SpecloomError) and the modules whose import registers its trainers."""
+
+    name: str
+    drafter: type
+    keys: dict = field(default_factory=dict)
+    trainers: tuple[str, ...] = ()
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(name: str, keys: dict | None = None, trainers: tuple[str, ...] = ()):
     def deco(cls):
         if name in DRAFTERS:
             raise ValueError(f"drafter {name!r} registered twice")
         DRAFTERS[name] = cls
+        KINDS[name] = Kind(name, cls, dict(keys or {}), tuple(trainers))
         cls.method = name
         return cls
 

@@ -3,12 +3,14 @@
     forward(tokens (B, T), positions (B, T), kv, attn_mask=None, capture=(), num_logits=None)
         -> ForwardOutput(logits (B, T', V) fp32, hidden {layer_id: (B, T, H)})
 
-* The T new tokens are written to KV slots `[kv.length, kv.length + T)` (pending until `kv.commit`); their RoPE
-  positions are `positions`, so tree nodes can share a depth-based position while owning distinct slots.
-* `attn_mask` (T, T) or (B, T, T), bool, True = attend: which new tokens each new token sees (a draft tree's
-  ancestor mask); every new token then sees the whole cached prefix. A mask of width `kv.length + T` instead
-  covers the cached slots too (a drafter expanding a tree over several passes hides sibling branches it has
-  cached). None means causal.
+* `kv` is a KV store (kv.py: every active row takes part) or a pass over some of its rows (`kv.begin(rows,
+  sizes)`, ragged). Row b's T new entries go to its slots `[length_b, length_b + T)` (pending until
+  `kv.commit`); their RoPE positions are `positions`, so tree nodes can share a depth-based position while owning
+  distinct slots.
+* `attn_mask` (T, R) or (B, T, R), bool, True = attend, R >= T: over each row's last R slots up to the end of the
+  pass (R == T: which new tokens each new token sees, a draft tree's ancestor mask; R > T also covers slots held
+  before the pass, so a drafter expanding a tree over several passes hides sibling branches it has cached); every
+  earlier slot is visible. None means causal. One builder makes every mask: models/context.py.
 * `capture` uses the **HF `hidden_states` index** convention: id 0 is the embedding output (after Gemma's
   scaling), id k (1 <= k < L) is the output of decoder layer k-1 (= the input of layer k), and id L is the final
   hidden state *after* the final norm (HF's `hidden_states[-1]`). Negative ids count from L + 1 (so -1 = L).

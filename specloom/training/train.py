@@ -1,4 +1,4 @@
-"""`specloom train {medusa,eagle,eagle3,draft_model}`: one training loop, one trainer per drafter kind.
+"""`specloom train KIND`: one training loop; each drafter kind brings its trainer (drafters/<kind>/trainer.py).
 
 Trainers register with `@trainer("kind")` and provide `model` (the same module class inference uses),
 `loss(batch) -> (loss, metrics)` and `save(path, meta)`. The loop: frozen bf16 target (embedding and head only are
@@ -12,305 +12,27 @@ Labels are the target's own: soft distributions from its head applied to the sto
 
 from __future__ import annotations
 
+import importlib
 import json
-import math
 import os
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import SpecloomError
-
-TRAINERS: dict[str, type] = {}
-
-
-def trainer(kind: str):
-    def deco(cls):
-        TRAINERS[kind] = cls
-        cls.kind = kind
-        return cls
-
-    return deco
+from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
 
 
-def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Per-row cross-entropy against the target's soft distribution (rows, V)."""
-    return -(torch.softmax(target_logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+def load_trainers() -> dict:
+    """Import every drafter kind's trainer modules (named by the kind's record), which register themselves."""
+    from ..drafters import KINDS
 
+    for kind in KINDS.values():
+        for module in kind.trainers:
+            importlib.import_module(module)
+    return TRAINERS
 
-def _sample_rows(mask: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
-    """Flat indices of a random `fraction` of the True entries of mask (at least one when any)."""
-    idx = mask.flatten().nonzero().flatten()
-    if fraction >= 1.0 or idx.numel() == 0:
-        return idx
-    n = max(1, int(idx.numel() * fraction))
-    return idx[torch.randperm(idx.numel(), generator=gen)[:n]]
-
-
-def to_device(batch: dict, device: torch.device) -> dict:
-    """A collated batch (tokens, valid, loss_mask, hidden {id: ...}) on `device` (a no-op on the CPU)."""
-    if device.type == "cpu":
-        return batch
-    return {k: ({c: t.to(device, non_blocking=True) for c, t in v.items()} if isinstance(v, dict)
-                else v.to(device, non_blocking=True)) for k, v in batch.items()}
-
-
-def train_device(args) -> torch.device:
-    """`--device` (cpu, cuda, cuda:N; None: cuda when PyTorch sees a GPU) as a checked torch.device; callers that
-    build `args` themselves without a `device` train on the CPU."""
-    from ..loading import parse_device
-
-    return parse_device(getattr(args, "device", "cpu"))
-
-
-def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x[:, t] <- x[:, t + n] (zero/False past the end) along dim 1."""
-    if n == 0:
-        return x
-    pad = [0, 0] * (x.dim() - 2) + [0, n]
-    return F.pad(x[:, n:], pad)
-
-
-class _Base:
-    kind = ""
-
-    def __init__(self, target, tokenizer, data, args):
-        self.target, self.tokenizer, self.data, self.args = target, tokenizer, data, args
-        self.gen = torch.Generator().manual_seed(args.seed)
-        self.L = target.config.num_layers
-        self.head_w = target.lm_head.weight  # (V, H) frozen
-
-    @classmethod
-    def data_ids(cls, L: int) -> tuple[int, ...]:
-        """Hidden-state ids (HF `hidden_states` convention) this trainer reads from the data; L = final state."""
-        return (L,)
-
-    def parameters(self):
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def target_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.head_w if rows is None else self.head_w[rows]
-        return (h.to(w.dtype) @ w.T).float()
-
-
-@trainer("eagle3")
-class Eagle3Trainer(_Base):
-    @classmethod
-    def data_ids(cls, L):
-        from .selfdistill import eagle3_layer_ids
-
-        return tuple(sorted({*eagle3_layer_ids(L), L}))
-
-    def __init__(self, target, tokenizer, data, args):
-        super().__init__(target, tokenizer, data, args)
-        from ..drafters.eagle_model import EagleDraftModel, eagle_config_for, init_weights
-        from .selfdistill import eagle3_layer_ids
-
-        self.feature_ids = eagle3_layer_ids(self.L)
-        vd = min(args.draft_vocab, target.config.vocab_size)
-        counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
-        for t, _, _ in data.seqs:
-            counts += torch.bincount(t, minlength=counts.numel())
-        used = counts.topk(vd).indices.sort().values
-        cfg = eagle_config_for(target.config, True, self.feature_ids, vd)
-        self.model = EagleDraftModel(cfg)
-        init_weights(self.model, args.seed)
-        self.model.d2t.copy_(used - torch.arange(vd))
-        self.model.t2d.zero_()
-        self.model.t2d[used] = True
-        self.used = used
-        with torch.no_grad():  # speculators' recipe: start the draft head from the target's rows
-            self.model.lm_head.weight.copy_(self.head_w[used].float())
-            self.model.norm.weight.copy_(target.norm.weight.float())
-        self.model.attach_target(target)
-        coverage = float(counts[used].sum()) / float(counts.sum())
-        print(f"specloom train: draft vocabulary {vd} tokens covers {coverage:.1%} of the data's tokens",
-              file=sys.stderr)
-
-    def loss(self, batch):
-        m, a = self.model, self.args
-        feats = torch.cat([batch["hidden"][i] for i in self.feature_ids], -1)
-        final = batch["hidden"][self.L]
-        tokens, valid = batch["tokens"], batch["valid"]
-        total, metrics = 0.0, {}
-        for j, h in m.ttt_forward(feats, tokens, valid, a.ttt_steps):
-            ok = _shift(valid, 1 + j) & valid & _shift(m.t2d[tokens], 2 + j)  # x_{t+2+j} in the draft vocab
-            rows = _sample_rows(ok, a.loss_fraction, self.gen)
-            if rows.numel() == 0:
-                continue
-            hs = h.flatten(0, 1)[rows]
-            tgt = self.target_logits(_shift(final, 1 + j).flatten(0, 1)[rows], self.used)
-            logits = m.lm_head(m.norm(hs))
-            lj = _soft_ce(logits, tgt).mean()
-            total = total + (0.8 ** j) * lj
-            metrics[f"acc{j}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
-        return total, metrics
-
-    def save(self, path, meta):
-        from ..drafters.checkpoint import save_drafter
-
-        save_drafter("eagle3", self.model, path, {**meta, "draft_vocab_size": int(self.used.numel())},
-                     verifier=self.args.target)
-
-
-@trainer("eagle")
-class Eagle1Trainer(_Base):
-    def __init__(self, target, tokenizer, data, args):
-        super().__init__(target, tokenizer, data, args)
-        from ..drafters.eagle_model import EagleDraftModel, eagle_config_for, init_weights
-
-        self.feature_ids = (self.L,)
-        self.model = EagleDraftModel(eagle_config_for(target.config, False, self.feature_ids))
-        init_weights(self.model, args.seed)
-        self.model.attach_target(target)
-
-    def loss(self, batch):
-        m, a = self.model, self.args
-        final = batch["hidden"][self.L]
-        tokens, valid = batch["tokens"], batch["valid"]
-        total, metrics = 0.0, {}
-        for j, h in m.ttt_forward(final, tokens, valid, a.ttt_steps):
-            ok = _shift(valid, 1 + j) & valid
-            tf = _shift(final, 1 + j).float()
-            v = F.smooth_l1_loss(h.float(), tf, reduction="none").mean(-1)
-            vloss = (v * ok).sum() / ok.sum().clamp(min=1)
-            rows = _sample_rows(ok, a.loss_fraction, self.gen)
-            hs, tgt = h.flatten(0, 1)[rows], self.target_logits(tf.flatten(0, 1)[rows])
-            logits = self.target_logits(hs)
-            ploss = _soft_ce(logits, tgt).mean()
-            total = total + (0.8 ** j) * (vloss + a.token_weight * ploss)
-            metrics[f"acc{j}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
-        return total, metrics
-
-    def target_logits(self, h, rows=None):
-        return F.linear(h.to(self.head_w.dtype), self.head_w).float()
-
-    def save(self, path, meta):
-        from ..drafters.checkpoint import save_drafter
-
-        save_drafter("eagle", self.model, path, meta)
-
-
-@trainer("medusa")
-class MedusaTrainer(_Base):
-    def __init__(self, target, tokenizer, data, args):
-        super().__init__(target, tokenizer, data, args)
-        from ..drafters.medusa import MedusaHeads
-
-        self.feature_ids = (self.L,)
-        self.model = MedusaHeads(target.config.hidden_size, args.medusa_heads, 1, None)
-        self.model.attach_target(target)
-
-    def loss(self, batch):
-        final = batch["hidden"][self.L]
-        valid = batch["valid"]
-        total, metrics = 0.0, {}
-        for k, head in enumerate(self.model):
-            ok = _shift(valid, 1 + k) & valid  # head k at row t: the target's distribution at t+1+k
-            rows = _sample_rows(ok, self.args.loss_fraction, self.gen)
-            if rows.numel() == 0:
-                continue
-            x = final.flatten(0, 1)[rows]
-            tgt = F.linear(_shift(final, 1 + k).flatten(0, 1)[rows].to(self.head_w.dtype), self.head_w).float()
-            logits = F.linear(head(x.to(head[0].linear.weight.dtype)).to(self.head_w.dtype), self.head_w).float()
-            total = total + (0.8 ** k) * _soft_ce(logits, tgt).mean()
-            metrics[f"acc{k}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
-        return total, metrics
-
-    def save(self, path, meta):
-        from ..drafters.checkpoint import save_drafter
-
-        save_drafter("medusa", self.model, path, {**meta, "target": self.args.target})
-
-
-@trainer("draft_model")
-class DraftModelTrainer(_Base):
-    """A small LM with the target's tokenizer: the target's first `--draft-layers` layers, its final norm and
-    (tied, frozen) embedding/head, distilled on the target's distributions. Saved as a HF Llama directory."""
-
-    def __init__(self, target, tokenizer, data, args):
-        super().__init__(target, tokenizer, data, args)
-        import dataclasses
-
-        from ..loading.weights import build_model
-
-        self.feature_ids = (self.L,)
-        n = args.draft_layers or 2
-        cfg = dataclasses.replace(target.config, num_layers=n)
-        sd = {k: v.detach().float().clone() for k, v in target.state_dict().items()
-              if not k.startswith("layers.") or int(k.split(".")[1]) < n}
-        sd.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
-        self.model = build_model(cfg, sd)
-        self.model.requires_grad_(False)
-        for p in self.model.layers.parameters():
-            p.requires_grad_(True)
-        self.model.norm.weight.requires_grad_(True)
-        self.model.train()
-
-    def loss(self, batch):
-        tokens, valid = batch["tokens"], batch["valid"]
-        B, T = tokens.shape
-        dev = tokens.device
-        kv = self.model.new_kv(T, dtype=torch.float32, batch=B)
-        pos = torch.arange(T, device=dev)[None].expand(B, T)
-        mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
-        mask |= torch.eye(T, dtype=torch.bool, device=dev)[None]
-        out = self.model(tokens, pos, kv, attn_mask=mask, capture=(cfg_l := self.model.config.num_layers,))
-        h = out.hidden[cfg_l]
-        rows = _sample_rows(valid, self.args.loss_fraction, self.gen)
-        tgt = self.target_logits(batch["hidden"][self.L].flatten(0, 1)[rows])
-        logits = self.target_logits(h.flatten(0, 1)[rows])
-        loss = _soft_ce(logits, tgt).mean()
-        return loss, {"acc0": float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())}
-
-    def target_logits(self, h, rows=None):
-        return F.linear(h.to(self.head_w.dtype), self.head_w).float()
-
-    def save(self, path, meta):
-        save_hf_llama(self.model, path, meta)
-
-
-def save_hf_llama(model, path: str, meta: dict) -> None:
-    """Write a DecoderLM (Llama family) as a HF directory: config.json + model.safetensors (+ tokenizer later)."""
-    from safetensors.torch import save_file
-
-    c = model.config
-    sd = {}
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    for k, v in model.state_dict().items():
-        v = v.detach().cpu().to(torch.bfloat16)
-        if k == "lm_head.weight" and c.tie_word_embeddings:
-            continue
-        if "qkv_proj" in k:
-            for name, part in zip("qkv", v.split([q, kv, kv], 0)):
-                sd["model." + k.replace("qkv_proj", f"{name}_proj")] = part.contiguous()
-        elif "gate_up_proj" in k:
-            g, u = v.split(c.intermediate_size, 0)
-            sd["model." + k.replace("gate_up_proj", "gate_proj")] = g.contiguous()
-            sd["model." + k.replace("gate_up_proj", "up_proj")] = u.contiguous()
-        elif k == "lm_head.weight":
-            sd[k] = v.contiguous()
-        else:
-            sd["model." + k] = v.contiguous()
-    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
-           "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-           "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-           "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-           "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
-           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "specloom": meta}
-    os.makedirs(path, exist_ok=True)
-    save_file(sd, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(raw, f, indent=1)
-
-
-def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
 @torch.no_grad()
@@ -333,6 +55,7 @@ def run_training(args) -> dict:
     from ..drafters.checkpoint import specloom_meta
     from .dataset import DistillData
 
+    load_trainers()
     if args.kind not in TRAINERS:
         raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(TRAINERS))})")
     if getattr(TRAINERS[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
@@ -355,7 +78,7 @@ def run_training(args) -> dict:
     tr = TRAINERS[args.kind](target, tokenizer, data, args)
     tr.model.to(dev)  # built on the CPU (the draft model trainer's: already on the target's device)
     if args.init_from:
-        _init_from(tr, args.init_from)
+        tr.init_from(args.init_from)
     params = tr.parameters()
     print(f"specloom train {args.kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters",
           file=sys.stderr, flush=True)
@@ -416,83 +139,11 @@ def run_training(args) -> dict:
         "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": args.ttt_steps,
         "train_seconds_this_run": round(wall, 1), "held_out": ev,
     })
-    if args.kind == "medusa":
-        meta["topk_accuracy"] = topk_accuracy_medusa(tr, data, eval_idx, args)
+    meta.update(tr.extra_meta(data, eval_idx))
     tr.save(args.out, meta)
-    if args.kind == "draft_model":
-        tokenizer.hf.save_pretrained(args.out)
     _plot_losses(history, os.path.join(args.out, "loss.png"), args.kind)
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(history, f)
     return {"held_out": ev, "steps": step}
 
 
-@torch.no_grad()
-def topk_accuracy_medusa(tr, data, index, args, max_batches: int = 4) -> list[list[float]]:
-    """Per head, the fraction of rows whose target argmax is the head's rank-r candidate (for tree building)."""
-    from ..drafters.medusa import TOPK
-
-    K = tr.model.num_heads
-    hits = torch.zeros(K, TOPK)
-    count = torch.zeros(K)
-    for b, batch in enumerate(data.batches(index, args.tokens_per_batch, seed=0)):
-        if b >= max_batches:
-            break
-        batch = to_device(batch, tr.target.device)
-        final, valid = batch["hidden"][tr.L], batch["valid"]
-        for k, head in enumerate(tr.model):
-            ok = (_shift(valid, 1 + k) & valid).flatten()
-            x = final.flatten(0, 1)[ok]
-            tgt = F.linear(_shift(final, 1 + k).flatten(0, 1)[ok].to(tr.head_w.dtype), tr.head_w).argmax(-1)
-            top = F.linear(head(x.to(head[0].linear.weight.dtype)).to(tr.head_w.dtype), tr.head_w).topk(TOPK).indices
-            hits[k] += (top == tgt[:, None]).float().sum(0).cpu()
-            count[k] += int(ok.sum())
-    return (hits / count.clamp(min=1)[:, None]).tolist()
-
-
-def _init_from(tr, path: str) -> None:
-    from ..drafters.checkpoint import load_drafter
-
-    if tr.kind == "draft_model":
-        from ..loading import load_target
-
-        m, _ = load_target(path, "fp32", pack=False, progress=False)
-        tr.model.load_state_dict(m.state_dict(), strict=False)
-        return
-    model, _ = load_drafter(path, tr.kind, tr.target, tr.tokenizer)
-    own = tr.model.state_dict()
-    tr.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in model.state_dict().items()
-                              if k in own})
-
-
-def _plot_losses(history: list[dict], path: str, kind: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    if not history:
-        return
-    steps = [h["step"] for h in history]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
-    w = max(1, len(history) // 50)
-
-    def smooth(v):
-        return [sum(v[max(0, i - w + 1):i + 1]) / len(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
-
-    ax[0].plot(steps, smooth([h["loss"] for h in history]))
-    ax[0].set_title(f"{kind}: training loss")
-    ax[0].set_xlabel("step")
-    for key in sorted(k for k in history[-1] if k.startswith("acc")):
-        ax[1].plot(steps, smooth([h.get(key, float("nan")) for h in history]), label=f"step {key[3:]}")
-    ax[1].set_title("top-1 agreement with the target (train batches)")
-    ax[1].set_xlabel("step")
-    ax[1].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
-from . import train_block, train_mtp, train_target  # noqa: E402,F401  (trainer registration)

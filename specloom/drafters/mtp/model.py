@@ -22,10 +22,10 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..kv import KVCache
-from ..models import FAMILIES
-from ..models.context import AttentionContext, attention_context
-from ..models.layers import RMSNorm, Rope
+from ...kv import KVCache
+from ...models import FAMILIES
+from ...models.context import AttentionContext, attention_context
+from ...models.layers import RMSNorm, Rope
 
 
 class _SharedHead(nn.Module):

@@ -22,8 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..errors import SpecloomError
-from .train import _lr_at, _plot_losses, _shift, save_hf_llama, trainer
+from ...errors import SpecloomError
+from ...training.common import _lr_at, _plot_losses, _shift, save_hf_llama, trainer
 
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 
@@ -34,13 +34,13 @@ class TargetTrainer:
 
     @staticmethod
     def run(args) -> dict:
-        from ..config import ModelConfig
-        from ..drafters.mtp_model import MTPModel, init_mtp
-        from ..loading import load_config, resolve
-        from ..models import FAMILIES
-        from ..tokenizer import Tokenizer
-        from .dataset import DistillData
-        from .train import to_device, train_device
+        from ...config import ModelConfig
+        from .model import MTPModel, init_mtp
+        from ...loading import load_config, resolve
+        from ...models import FAMILIES
+        from ...tokenizer import Tokenizer
+        from ...training.dataset import DistillData
+        from ...training.common import to_device, train_device
 
         dev = train_device(args)
         torch.manual_seed(args.seed)
@@ -111,8 +111,8 @@ class TargetTrainer:
         held = {k: sum(e[k] for e in ev) / len(ev) for k in ev[0]} if ev else {}
         print("specloom train target: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in held.items()),
               file=sys.stderr, flush=True)
-        from ..drafters.checkpoint import specloom_meta
-        from ..drafters.mtp_format import save_into_target
+        from ..checkpoint import specloom_meta
+        from .format import save_into_target
 
         manifest = {"command": " ".join(["specloom"] + sys.argv[1:]), "data": args.data,
                     "data_tokens": data.num_tokens, "steps": step, "seed": args.seed, "lr": args.lr,

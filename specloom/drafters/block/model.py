@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import RopeScaling
-from ..kv import KVCache
-from ..models.layers import RMSNorm, Rope, apply_rope
-from .eagle_model import DraftConfigDict, DraftMLP
+from ...config import RopeScaling
+from ...kv import KVCache
+from ...models.layers import RMSNorm, Rope, apply_rope
+from ..eagle.model import DraftConfigDict, DraftMLP
 
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 

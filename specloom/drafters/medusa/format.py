@@ -17,9 +17,9 @@ import os
 
 import torch
 
-from ..errors import SpecloomError
-from .checkpoint import checkpoint_format, read_tensors, take
-from .medusa import MedusaHeads
+from ...errors import SpecloomError
+from ..checkpoint import checkpoint_format, read_tensors, take
+from .drafter import MedusaHeads
 
 
 def _files(path: str) -> list[str]:

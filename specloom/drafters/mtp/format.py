@@ -19,9 +19,9 @@ import os
 
 import torch
 
-from ..errors import SpecloomError
-from .checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
-from .mtp_model import MTPModel
+from ...errors import SpecloomError
+from ..checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
+from .model import MTPModel
 
 MTP_FILE = "model-mtp.safetensors"
 
@@ -75,7 +75,7 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
     tensors = read_prefixed(path, tuple(f"model.layers.{L + i}." for i in range(N)))
     own = model.state_dict()
     state = {}
-    gemma = tc.family == "gemma3"
+    offset = tc.family_spec.norm_weight_offset  # Gemma: (1 + w) norms, folded as the target loader folds them
     for i in range(N):
         prefix = f"model.layers.{L + i}."
         where = f"{path}: the config declares {N} MTP layer(s) (num_nextn_predict_layers) but"
@@ -92,8 +92,8 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
                 t = torch.cat([tensors[prefix + s] for s in sources], 0)
                 if tuple(t.shape) != tuple(shape):
                     raise SpecloomError(f"{path}: {prefix}{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-            if gemma and name.startswith("block.") and name.endswith("norm.weight"):
-                t = t.float() + 1.0  # Gemma's (1 + w) norms, as the target loader folds them
+            if offset and name.startswith("block.") and name.endswith("norm.weight"):
+                t = t.float() + offset
             state[f"layers.{i}.{name}"] = t.float()
     model.load_state_dict(state)
     model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
@@ -104,7 +104,7 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
 
 
 def mtp_tensors(model: MTPModel, L: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    gemma = model.config.family == "gemma3"
+    offset = model.config.family_spec.norm_weight_offset
     out = {}
     names = _hf_names(model)
     for i, layer in enumerate(model.layers):
@@ -112,8 +112,8 @@ def mtp_tensors(model: MTPModel, L: int, dtype=torch.bfloat16) -> dict[str, torc
         prefix = f"model.layers.{L + i}."
         for name, sources in names.items():
             t = sd[name].detach().float().cpu()
-            if gemma and name.startswith("block.") and name.endswith("norm.weight"):
-                t = t - 1.0
+            if offset and name.startswith("block.") and name.endswith("norm.weight"):
+                t = t - offset
             if "qkv_proj" in name:
                 c = model.config
                 q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

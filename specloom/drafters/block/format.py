@@ -29,10 +29,11 @@ import os
 
 import torch
 
-from ..errors import SpecloomError
-from ..models.cpu_packing import pack_linears
-from .block_model import MARKOV_TYPES, BlockDraftConfig, BlockDraftModel
-from .checkpoint import add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take, weights_file
+from ...errors import SpecloomError
+from ...models.cpu_packing import pack_linears
+from ..checkpoint import (add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take,
+                          weights_file)
+from .model import MARKOV_TYPES, BlockDraftConfig, BlockDraftModel
 
 SPECULATORS_VERSION = "0.3.0"
 DSPARK_FILE = "model-dspark.safetensors"

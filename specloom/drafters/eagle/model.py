@@ -22,10 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import RopeScaling
-from ..kv import KVCache
-from ..models.context import attention_context
-from ..models.layers import RMSNorm, Rope, apply_rope
+from ...config import RopeScaling
+from ...kv import KVCache
+from ...models.context import attention_context
+from ...models.layers import RMSNorm, Rope, apply_rope
 
 
 class DraftConfigDict:

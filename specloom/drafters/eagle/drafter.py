@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import DraftTree
-from .base import DraftContext, Drafter, register
-from .rows import Span, chains, draw, own_store
+from ...tree import DraftTree
+from ..base import DraftContext, Drafter, TREE_KEYS, register
+from ..rows import Span, chains, draw, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -51,14 +51,14 @@ class EagleDrafter(Drafter):
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
     def check(cls, spec, target_config) -> None:
-        from .checkpoint import find_drafter_dir, read_drafter_config
+        from ..checkpoint import find_drafter_dir, read_drafter_config
 
         path = find_drafter_dir(spec.model, cls.method, target_config)
         read_drafter_config(path, cls.method)
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "EagleDrafter":
-        from .checkpoint import find_drafter_dir, load_drafter
+        from ..checkpoint import find_drafter_dir, load_drafter
 
         path = find_drafter_dir(spec.model, cls.method, target.config)
         model, meta = load_drafter(path, cls.method, target, tokenizer)
@@ -77,7 +77,7 @@ class EagleDrafter(Drafter):
         return self.depth
 
     def memory(self) -> dict:
-        from .base import kv_bytes_per_1k, module_bytes
+        from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
@@ -257,12 +257,12 @@ class EagleDrafter(Drafter):
         return trees
 
 
-@register("eagle")
+@register("eagle", TREE_KEYS, ("specloom.drafters.eagle.trainer",))
 class Eagle1Drafter(EagleDrafter):
     eagle3 = False
 
 
-@register("eagle3")
+@register("eagle3", TREE_KEYS, ("specloom.drafters.eagle.trainer",))
 class Eagle3Drafter(EagleDrafter):
     eagle3 = True
 

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import SpecloomError
-from ..tree import DraftTree
-from .base import DraftContext, Drafter, register
+from ...errors import SpecloomError
+from ...tree import DraftTree
+from ..base import DraftContext, Drafter, TREE_KEYS, register
 
 TOPK = 10
 
@@ -80,7 +80,7 @@ def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_node
     return sorted((pp for _, pp in paths), key=lambda x: (len(x), x))
 
 
-@register("medusa")
+@register("medusa", {"num_draft_tokens": TREE_KEYS["num_draft_tokens"]}, ("specloom.drafters.medusa.trainer",))
 class MedusaDrafter(Drafter):
     def __init__(self, heads: MedusaHeads, choices: list[list[int]], feature_id: int, topk_accuracy=None):
         self.heads = heads
@@ -91,7 +91,7 @@ class MedusaDrafter(Drafter):
         self.depth = max(len(c) for c in self.choices)
 
     def memory(self) -> dict:
-        from .base import module_bytes
+        from ..base import module_bytes
 
         return {"weights": module_bytes(self.heads), "kv_per_1k_tokens": 0}
 
@@ -105,13 +105,13 @@ class MedusaDrafter(Drafter):
 
     @classmethod
     def check(cls, spec, target_config) -> None:
-        from .checkpoint import find_drafter_dir, read_drafter_config
+        from ..checkpoint import find_drafter_dir, read_drafter_config
 
         read_drafter_config(find_drafter_dir(spec.model, "medusa", target_config), "medusa")
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "MedusaDrafter":
-        from .checkpoint import find_drafter_dir, load_drafter
+        from ..checkpoint import find_drafter_dir, load_drafter
 
         path = find_drafter_dir(spec.model, "medusa", target.config)
         heads, meta = load_drafter(path, "medusa", target, tokenizer)

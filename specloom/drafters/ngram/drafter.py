@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import SpecloomError
-from ..tree import DraftTree
-from .base import DraftContext, Drafter, register
+from ...errors import SpecloomError
+from ...tree import DraftTree
+from ..base import DraftContext, Drafter, int_key, register
 
 DEFAULT_K = 4
 DEFAULT_MIN, DEFAULT_MAX = 1, 4
 
 
-@register("ngram")
+@register("ngram", {"prompt_lookup_min": int_key(1, 64), "prompt_lookup_max": int_key(1, 64)})
 class NgramDrafter(Drafter):
     def __init__(self, k: int = DEFAULT_K, lookup_min: int = DEFAULT_MIN, lookup_max: int = DEFAULT_MAX):
         if not 1 <= lookup_min <= lookup_max:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import SpecloomError
-from ..tree import DraftTree
-from .base import DraftContext, Drafter, register
-from .rows import Span, chains, draw, own_store
+from ...errors import SpecloomError
+from ...tree import DraftTree
+from ..base import DraftContext, Drafter, TREE_KEYS, register
+from ..rows import Span, chains, draw, own_store
 
 DEFAULT_K = 4
 
@@ -33,7 +33,7 @@ def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
         raise SpecloomError(f"draft model {name!r} uses another tokenizer than the target (token ids differ)")
 
 
-@register("draft_model")
+@register("draft_model", {"tree_width": TREE_KEYS["tree_width"]}, ("specloom.drafters.draft_model.trainer",))
 class DraftModelDrafter(Drafter):
     def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1):
         if tree_width < 1:
@@ -43,7 +43,7 @@ class DraftModelDrafter(Drafter):
         self.width = tree_width
 
     def memory(self) -> dict:
-        from .base import kv_bytes_per_1k, module_bytes
+        from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
@@ -51,7 +51,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def check(cls, spec, target_config) -> None:
-        from ..loading import load_config, resolve
+        from ...loading import load_config, resolve
 
         if not spec.model:
             raise SpecloomError('method "draft_model" needs "model": the draft model (alias, .gguf or directory)')
@@ -64,7 +64,7 @@ class DraftModelDrafter(Drafter):
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "DraftModelDrafter":
-        from ..loading import load_target, resolve
+        from ...loading import load_target, resolve
 
         cls.check(spec, target.config)
         source = getattr(target, "source", None)

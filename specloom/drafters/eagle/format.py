@@ -19,10 +19,10 @@ import os
 
 import torch
 
-from ..errors import SpecloomError
-from ..models.cpu_packing import pack_linears
-from .checkpoint import checkpoint_format, read_tensors, take, weights_file
-from .eagle_model import EagleConfig, EagleDraftModel
+from ...errors import SpecloomError
+from ...models.cpu_packing import pack_linears
+from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
+from .model import EagleConfig, EagleDraftModel
 
 SPECULATORS_VERSION = "0.3.0"
 

@@ -24,9 +24,9 @@ import warnings
 
 import torch
 
-from .base import register
-from .eagle import EagleDrafter
-from .rows import Span, own_store
+from ..base import TREE_KEYS, register
+from ..eagle.drafter import EagleDrafter
+from ..rows import Span, own_store
 
 log = logging.getLogger("specloom")
 
@@ -46,7 +46,7 @@ class _MTPAdapter:
         return logits
 
 
-@register("mtp")
+@register("mtp", TREE_KEYS, ("specloom.drafters.mtp.trainer", "specloom.drafters.mtp.train_target"))
 class MTPDrafter(EagleDrafter):
     def __init__(self, mtp, depth: int, width: int, num_nodes: int | None):
         self.mtp = mtp
@@ -58,13 +58,13 @@ class MTPDrafter(EagleDrafter):
 
     @classmethod
     def check(cls, spec, target_config) -> None:
-        from .mtp_format import find_mtp_dir, read_mtp_config
+        from .format import find_mtp_dir, read_mtp_config
 
         read_mtp_config(find_mtp_dir(spec.model, target_config), target_config)
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "MTPDrafter":
-        from .mtp_format import find_mtp_dir, load_mtp
+        from .format import find_mtp_dir, load_mtp
 
         path = find_mtp_dir(spec.model, target.config)
         mtp, meta = load_mtp(path, target, tokenizer)
@@ -82,7 +82,7 @@ class MTPDrafter(EagleDrafter):
         return cls(mtp, depth, width, nodes or depth * width)
 
     def memory(self) -> dict:
-        from .base import kv_bytes_per_1k, module_bytes
+        from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.mtp.config
         return {"weights": module_bytes(self.mtp),

@@ -24,10 +24,10 @@ import os
 
 import torch
 
-from ..errors import SpecloomError
-from ..tree import DraftTree
-from .base import DraftContext, Drafter, register
-from .rows import Span, chains, draw, own_store
+from ...errors import SpecloomError
+from ...tree import DraftTree
+from ..base import DraftContext, Drafter, float_key, register
+from ..rows import Span, chains, draw, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -44,15 +44,13 @@ class BlockDrafter(Drafter):
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
     def find(cls, spec, target_config) -> str:
-        from .checkpoint import find_drafter_dir
+        from ..checkpoint import find_drafter_dir
 
         return find_drafter_dir(spec.model, cls.method, target_config)
 
     @classmethod
     def _settings(cls, spec, cfg, meta, path) -> tuple[int, float]:
         """(drafts per step, confidence threshold) from the settings and the checkpoint; SpecloomError if bad."""
-        if spec.tree_width not in (None, 1) or spec.num_draft_tokens is not None:
-            raise SpecloomError(f"{cls.method} drafts one chain per step: tree_width / num_draft_tokens do not apply")
         n = cfg.num_drafts
         k = spec.num_speculative_tokens
         if k is not None and k > n:
@@ -69,8 +67,8 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def _resolve(cls, spec, target_config):
-        from .block_format import block_config, meta_of
-        from .checkpoint import _load_json
+        from .format import block_config, meta_of
+        from ..checkpoint import _load_json
 
         path = cls.find(spec, target_config)
         raw = _load_json(os.path.join(path, "config.json"))
@@ -84,8 +82,8 @@ class BlockDrafter(Drafter):
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "BlockDrafter":
-        from .block_format import build_block
-        from .checkpoint import check_target
+        from .format import build_block
+        from ..checkpoint import check_target
 
         path, raw, cfg, meta = cls._resolve(spec, target.config)
         k, th = cls._settings(spec, cfg, meta, path)
@@ -98,7 +96,7 @@ class BlockDrafter(Drafter):
         return self.k
 
     def memory(self) -> dict:
-        from .base import kv_bytes_per_1k, module_bytes
+        from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
@@ -178,16 +176,16 @@ class BlockDrafter(Drafter):
         return chains(ctxs, drafts, qs)
 
 
-@register("dflash")
+@register("dflash", {"confidence_threshold": float_key(0.0, 1.0)}, ("specloom.drafters.block.trainer",))
 class DFlashDrafter(BlockDrafter):
     pass
 
 
-@register("dspark")
+@register("dspark", {"confidence_threshold": float_key(0.0, 1.0)}, ("specloom.drafters.block.trainer",))
 class DSparkDrafter(BlockDrafter):
     @classmethod
     def find(cls, spec, target_config) -> str:
-        from .checkpoint import find_builtin_dir, find_drafter_dir
+        from ..checkpoint import find_builtin_dir, find_drafter_dir
 
         if spec.model:
             return find_drafter_dir(spec.model, cls.method, target_config)

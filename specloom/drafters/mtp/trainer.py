@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import sys
 
-from .train import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
 
 
 @trainer("mtp")
 class MTPTrainer(_Base):
     def __init__(self, target, tokenizer, data, args):
         super().__init__(target, tokenizer, data, args)
-        from ..drafters.mtp_model import MTPModel, init_mtp
+        from .model import MTPModel, init_mtp
 
         self.feature_ids = (self.L,)
         self.model = MTPModel(target.config, args.mtp_layers)
@@ -48,7 +48,7 @@ class MTPTrainer(_Base):
         return self.target.logits(h.to(self.head_w.dtype))
 
     def save(self, path, meta):
-        from ..drafters.mtp_format import save_into_target, save_overlay
+        from .format import save_into_target, save_overlay
 
         meta = {**meta, "depth": self.model.num_layers}
         save_overlay(self.model, path, meta)

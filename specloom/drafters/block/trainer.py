@@ -21,7 +21,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .train import _Base, _soft_ce, trainer
+from ...training.common import _Base, _soft_ce, trainer
 
 DECAY = 4.0  # slot weight exp(-(k-1)/DECAY), DeepSpec / speculators default
 
@@ -49,15 +49,15 @@ class _BlockTrainer(_Base):
 
     @classmethod
     def data_ids(cls, L):
-        from .selfdistill import eagle3_layer_ids
+        from ...training.selfdistill import eagle3_layer_ids
 
         return tuple(sorted({*eagle3_layer_ids(L), L}))
 
     def __init__(self, target, tokenizer, data, args):
         super().__init__(target, tokenizer, data, args)
-        from ..drafters.block_model import BlockDraftConfig, BlockDraftModel
-        from ..drafters.eagle_model import init_weights
-        from .selfdistill import eagle3_layer_ids
+        from .model import BlockDraftConfig, BlockDraftModel
+        from ..eagle.model import init_weights
+        from ...training.selfdistill import eagle3_layer_ids
 
         tc = target.config
         self.feature_ids = tuple(sorted(set(eagle3_layer_ids(self.L))))
@@ -156,7 +156,7 @@ class _BlockTrainer(_Base):
 @trainer("dflash")
 class DFlashTrainer(_BlockTrainer):
     def save(self, path, meta):
-        from ..drafters.checkpoint import save_drafter
+        from ..checkpoint import save_drafter
 
         save_drafter("dflash", self.model, path, {**meta, "target": self.args.target}, fmt="zlab",
                      num_target_layers=self.L)
@@ -169,6 +169,6 @@ class DSparkTrainer(_BlockTrainer):
     markov = True
 
     def save(self, path, meta):
-        from ..drafters.checkpoint import save_drafter
+        from ..checkpoint import save_drafter
 
         save_drafter("dspark", self.model, path, {**meta, "target": self.args.target}, fmt="overlay")

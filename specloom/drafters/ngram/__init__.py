@@ -1,0 +1,3 @@
+"""`ngram`: prompt lookup (no weights)."""
+
+from .drafter import NgramDrafter  # noqa: F401  (registration)

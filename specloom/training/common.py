@@ -1,0 +1,169 @@
+"""What every drafter trainer shares: the registry, the base trainer, soft cross-entropy against the target, row
+sampling, shifting, the learning-rate schedule, the loss plot and the HF Llama writer. Kind trainers live with their
+kind (drafters/<kind>/trainer.py) and register with `@trainer("kind")`; `training/train.py` runs the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+TRAINERS: dict[str, type] = {}
+
+
+def trainer(kind: str):
+    def deco(cls):
+        TRAINERS[kind] = cls
+        cls.kind = kind
+        return cls
+
+    return deco
+
+
+def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Per-row cross-entropy against the target's soft distribution (rows, V)."""
+    return -(torch.softmax(target_logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
+
+
+def _sample_rows(mask: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
+    """Flat indices of a random `fraction` of the True entries of mask (at least one when any)."""
+    idx = mask.flatten().nonzero().flatten()
+    if fraction >= 1.0 or idx.numel() == 0:
+        return idx
+    n = max(1, int(idx.numel() * fraction))
+    return idx[torch.randperm(idx.numel(), generator=gen)[:n]]
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """A collated batch (tokens, valid, loss_mask, hidden {id: ...}) on `device` (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return batch
+    return {k: ({c: t.to(device, non_blocking=True) for c, t in v.items()} if isinstance(v, dict)
+                else v.to(device, non_blocking=True)) for k, v in batch.items()}
+
+
+def train_device(args) -> torch.device:
+    """`--device` (cpu, cuda, cuda:N; None: cuda when PyTorch sees a GPU) as a checked torch.device; callers that
+    build `args` themselves without a `device` train on the CPU."""
+    from ..loading import parse_device
+
+    return parse_device(getattr(args, "device", "cpu"))
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, t] <- x[:, t + n] (zero/False past the end) along dim 1."""
+    if n == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, n]
+    return F.pad(x[:, n:], pad)
+
+
+class _Base:
+    kind = ""
+
+    def __init__(self, target, tokenizer, data, args):
+        self.target, self.tokenizer, self.data, self.args = target, tokenizer, data, args
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.L = target.config.num_layers
+        self.head_w = target.lm_head.weight  # (V, H) frozen
+
+    @classmethod
+    def data_ids(cls, L: int) -> tuple[int, ...]:
+        """Hidden-state ids (HF `hidden_states` convention) this trainer reads from the data; L = final state."""
+        return (L,)
+
+    def parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def target_logits(self, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.head_w if rows is None else self.head_w[rows]
+        return (h.to(w.dtype) @ w.T).float()
+
+    def extra_meta(self, data, index) -> dict:
+        """Facts measured on the held-out rows that the checkpoint keeps (Medusa: per-head top-k accuracy)."""
+        return {}
+
+    def init_from(self, path: str) -> None:
+        """Start from an existing checkpoint of this kind (`--init-from`)."""
+        from ..drafters.checkpoint import load_drafter
+
+        model, _ = load_drafter(path, self.kind, self.target, self.tokenizer)
+        own = self.model.state_dict()
+        self.model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                    for k, v in model.state_dict().items() if k in own})
+
+
+def save_hf_llama(model, path: str, meta: dict) -> None:
+    """Write a DecoderLM (Llama family) as a HF directory: config.json + model.safetensors (+ tokenizer later)."""
+    from safetensors.torch import save_file
+
+    c = model.config
+    sd = {}
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for k, v in model.state_dict().items():
+        v = v.detach().cpu().to(torch.bfloat16)
+        if k == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        if "qkv_proj" in k:
+            for name, part in zip("qkv", v.split([q, kv, kv], 0)):
+                sd["model." + k.replace("qkv_proj", f"{name}_proj")] = part.contiguous()
+        elif "gate_up_proj" in k:
+            g, u = v.split(c.intermediate_size, 0)
+            sd["model." + k.replace("gate_up_proj", "gate_proj")] = g.contiguous()
+            sd["model." + k.replace("gate_up_proj", "up_proj")] = u.contiguous()
+        elif k == "lm_head.weight":
+            sd[k] = v.contiguous()
+        else:
+            sd["model." + k] = v.contiguous()
+    raw = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.hidden_size,
+           "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+           "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+           "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.max_position, "tie_word_embeddings": c.tie_word_embeddings,
+           "bos_token_id": c.bos_token_id, "eos_token_id": list(c.eos_token_ids), "specloom": meta}
+    os.makedirs(path, exist_ok=True)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
+
+
+def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _plot_losses(history: list[dict], path: str, kind: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
+    w = max(1, len(history) // 50)
+
+    def smooth(v):
+        return [sum(v[max(0, i - w + 1):i + 1]) / len(v[max(0, i - w + 1):i + 1]) for i in range(len(v))]
+
+    ax[0].plot(steps, smooth([h["loss"] for h in history]))
+    ax[0].set_title(f"{kind}: training loss")
+    ax[0].set_xlabel("step")
+    for key in sorted(k for k in history[-1] if k.startswith("acc")):
+        ax[1].plot(steps, smooth([h.get(key, float("nan")) for h in history]), label=f"step {key[3:]}")
+    ax[1].set_title("top-1 agreement with the target (train batches)")
+    ax[1].set_xlabel("step")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
