@@ -258,3 +258,59 @@ def test_long_prompt_prefilled_in_chunks_between_steps(tiny):
     finally:
         sch.close()
     assert sum(during_prefill) >= 3  # the short sequence stepped while the long prompt was being prefilled
+
+
+@pytest.mark.parametrize("kind", ["eagle_tree", "dflash", "mtp", "self_draft"])
+def test_long_prompt_joins_rows_near_capacity(kinds, kind, caplog):
+    """A drafter's catch-up pads every row of its pass to the widest: a just-prefilled long prompt must not share
+    a pass with a row close to its capacity (it overflowed the store and turned drafting off). Both rows stay
+    exact, both keep drafting, and no drafter failure is logged."""
+    t, mtp_dir, specs = kinds
+    L = 300  # row capacity 300 + 256 slots: a row at ~290 plus a 290-token catch-up does not fit one pass
+    if kind == "mtp":
+        import specloom
+
+        engine = specloom.load(mtp_dir, {"method": "mtp", "num_speculative_tokens": 2}, dtype="fp32",
+                               progress=False, max_model_len=L)
+        engine.model, engine.tokenizer = t.model, t.tokenizer
+    else:
+        engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs[kind]), max_model_len=L)
+    rng = random.Random(7)
+    first, second = [5, 6, 7, 8] * 3, [rng.randrange(4, 256) for _ in range(288)]
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True).token_ids
+            for p, n in ((first, 286), (second, 12))]
+    sch = BatchScheduler(engine, rows=2, mode="fixed")
+    caplog.set_level("ERROR", logger="specloom")
+    try:
+        a = Sequence(first, 286, SamplingParams(), ignore_eos=True)
+        sch.submit([a])
+        while a.t_first is None or sch.pool.lengths[0] < 272:
+            time.sleep(0.005)
+        b = Sequence(second, 12, SamplingParams(), ignore_eos=True)
+        sch.submit([b])
+        got = [a.wait(120), b.wait(120)]
+    finally:
+        sch.close()
+    assert [r.token_ids for r in got] == want
+    assert not [r for r in caplog.records if "drafter" in r.getMessage()]
+    assert got[1].num_draft_tokens > 0
+
+
+def test_ragged_mask_wider_than_a_padding_row(tiny):
+    """A drafter's tree pass masks its rows' last R slots; a padding row of the span may hold fewer than R slots
+    (a row drafting nothing this step). The pass must still run, and a real row's attention must be unchanged."""
+    model = tiny("llama").model
+    kv = model.new_kv(64, batch=2, active=0)
+    r0, r1 = kv.allocate(), kv.allocate()
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.arange(6)[None], kv.begin([r0], [6]))
+        kv.commit(row=r0)
+        mask = torch.ones(2, 2, 5, dtype=torch.bool)  # R = 5 > row 1's 0 + 2 slots
+        mask[:, 0, -1] = False  # causal among the two new entries
+        out = model(torch.tensor([[11, 12], [0, 0]]), torch.tensor([[6, 7], [0, 0]]), kv.begin([r0, r1], [2, 0]),
+                    attn_mask=mask).logits
+        alone = model.new_kv(64)
+        model(torch.tensor([[5, 6, 7, 8, 9, 10]]), torch.arange(6)[None], alone)
+        alone.commit()
+        ref = model(torch.tensor([[11, 12]]), torch.tensor([[6, 7]]), alone).logits
+    assert torch.allclose(out[0], ref[0], atol=1e-5)

@@ -7,6 +7,7 @@ written, never committed, and overwritten later).
 
     span = Span(ctxs)
     p = span.begin(store, sizes)            # a pass over the span; row b of the call writes sizes[b] entries
+                                            # (fitting_groups: rows whose padded pass fits the store)
     x = span.spread(x_of_call_rows)         # (len(ctxs), ...) -> (span rows, ...), padding rows zero
     y = span.pick(model_output)             # (span rows, ...) -> (len(ctxs), ...)
 """
@@ -48,6 +49,23 @@ def chains(ctxs, drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> list[
 def own_store(ctx, key, make):
     """The drafter's companion store `key` of the target store the row lives in (made on first use)."""
     return ctx.kv.companion(key, make)
+
+
+def fitting_groups(ctxs, sizes: list[int], store) -> list[list[int]]:
+    """Indices of `ctxs` in groups whose ragged pass fits the store: a pass pads every row of its span to the
+    widest size, so a long catch-up (a prompt just prefilled) must not share a pass with rows close to their
+    capacity. Usually one group."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(ctxs)), key=lambda i: -sizes[i]):
+        for g in groups:
+            rows = [ctxs[j].row for j in g] + [ctxs[i].row]
+            T = sizes[g[0]]  # the widest (sizes are taken in decreasing order)
+            if all(store.lengths[r] + T <= store.max_len for r in range(min(rows), max(rows) + 1)):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    return [sorted(g) for g in groups]
 
 
 class Span:

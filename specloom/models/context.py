@@ -62,12 +62,13 @@ def attention_context(kv, positions: torch.Tensor, attn_mask: torch.Tensor | Non
         full = torch.cat([torch.ones(n, T, S - R, dtype=torch.bool, device=dev), new], dim=-1) if R < S else new
     else:
         ends = torch.tensor(kv.starts, device=dev) + T  # (n,)
-        if int((ends - R).min()) < 0:
-            raise ValueError(f"attn_mask width {R} reaches before the first slot of a row")
         keys = torch.arange(S, device=dev)
-        full = (keys[None, None, :] < (ends - R)[:, None, None]).expand(n, T, S).clone()
-        cols = (ends - R)[:, None] + torch.arange(R, device=dev)  # (n, R)
+        # R columns of headroom: a padding row holding fewer than R slots has mask columns before its first slot
+        full = torch.zeros(n, T, R + S, dtype=torch.bool, device=dev)
+        full[:, :, R:] = keys[None, None, :] < (ends - R)[:, None, None]  # committed slots before the R
+        cols = R + (ends - R)[:, None] + torch.arange(R, device=dev)  # (n, R), >= 0
         full.scatter_(2, cols[:, None, :].expand(n, T, R), new)
+        full = full[:, :, R:]
     masks["full"] = full.unsqueeze(1)  # (n, 1, T, S)
     if sliding:
         near = (positions.unsqueeze(-1) - kv.slot_positions().unsqueeze(1)) < sliding_window  # (n, T, S)

@@ -27,7 +27,7 @@ import torch
 from ...errors import SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, float_key, register
-from ..rows import Span, chains, draw, own_store
+from ..rows import Span, chains, draw, fitting_groups, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -124,8 +124,9 @@ class BlockDrafter(Drafter):
         for ctx, res in zip(ctxs, results):
             ctx.state.append(f[ctx.row, torch.tensor(res.path, device=f.device)])
 
-    def _catch_up(self, ctxs, store, span) -> None:
-        """The context keys/values of every row's newly committed positions, in one ragged pass."""
+    def _catch_up(self, ctxs, store) -> None:
+        """The context keys/values of every row's newly committed positions, in one ragged pass (or one per
+        group of rows that fits the store)."""
         feats = []
         for c in ctxs:
             feats.append(torch.cat(c.state) if len(c.state) > 1 else c.state[0])
@@ -134,21 +135,24 @@ class BlockDrafter(Drafter):
                                    f"{feats[-1].shape[0]} rows for root position {c.root_position}")
             c.state.clear()
         m = [f.shape[0] for f in feats]
-        M, dev = max(m), feats[0].device
-        x = torch.zeros(len(ctxs), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
-        pos = torch.zeros(len(ctxs), M, dtype=torch.long)
-        for b, c in enumerate(ctxs):
-            x[b, :m[b]] = feats[b]
-            pos[b] = torch.arange(store.lengths[c.row], store.lengths[c.row] + M)
-        p = span.begin(store, m)
-        self.model.extend(p, span.spread(x), span.spread(pos.to(dev)))
-        span.commit(store)
+        dev = feats[0].device
+        for g in fitting_groups(ctxs, m, store):
+            sub = Span([ctxs[i] for i in g])
+            M = max(m[i] for i in g)
+            x = torch.zeros(len(g), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
+            pos = torch.zeros(len(g), M, dtype=torch.long)
+            for j, i in enumerate(g):
+                x[j, :m[i]] = feats[i]
+                pos[j] = torch.arange(store.lengths[ctxs[i].row], store.lengths[ctxs[i].row] + M)
+            p = sub.begin(store, [m[i] for i in g])
+            self.model.extend(p, sub.spread(x), sub.spread(pos.to(dev)))
+            sub.commit(store)
 
     # -- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
         store, span = self._store(ctxs[0]), Span(ctxs)
-        self._catch_up(ctxs, store, span)
+        self._catch_up(ctxs, store)
         m = self.model
         ks = [min(c.k, self.k) for c in ctxs]
         K, B = max(ks), len(ctxs)

@@ -22,7 +22,7 @@ import torch
 from ...errors import SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
-from ..rows import Span, chains, draw, own_store
+from ..rows import Span, chains, draw, fitting_groups, own_store
 
 DEFAULT_K = 4
 
@@ -119,7 +119,10 @@ class DraftModelDrafter(Drafter):
             store.truncate(have, row=c.row)
             feed.append(c.tokens[have:])
             pos.append(list(range(have, len(c.tokens))))
-        logits = self._feed(store, span, ctxs, feed, pos)
+        logits = torch.empty(len(ctxs), self.model.config.vocab_size, device=self.model.device)
+        for g in fitting_groups(ctxs, [len(f) for f in feed], store):  # a just-prefilled row feeds its prompt
+            sub = [ctxs[i] for i in g]
+            logits[g] = self._feed(store, Span(sub), sub, [feed[i] for i in g], [pos[i] for i in g])
         if self.width > 1:
             return self._propose_tree(ctxs, store, span, logits)
         K = max(c.k for c in ctxs)

@@ -22,7 +22,7 @@ import torch
 
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
-from ..rows import Span, chains, draw, own_store
+from ..rows import Span, chains, draw, fitting_groups, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -120,30 +120,35 @@ class EagleDrafter(Drafter):
 
     @torch.inference_mode()
     def _catch_up(self, ctxs) -> torch.Tensor:
-        """Feed every row the committed positions the drafter has not seen (one ragged pass); return h* (B, H),
-        whose logits score each root's children."""
+        """Feed every row the committed positions the drafter has not seen (one ragged pass, or one per group
+        of rows that fits the store); return h* (B, H), whose logits score each root's children."""
         store = self._stores(ctxs[0])[0]
         feats = self._take_feats(ctxs)
         m = [f.shape[0] for f in feats]
-        span = Span(ctxs)
-        M, dev = max(m), feats[0].device
-        F = torch.zeros(len(ctxs), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
-        toks = torch.zeros(len(ctxs), M, dtype=torch.long)
-        pos = torch.zeros(len(ctxs), M, dtype=torch.long)
         for b, c in enumerate(ctxs):
-            n, stable = c.root_position, store.lengths[c.row]
-            if stable + m[b] != n:
-                raise RuntimeError(f"eagle drafter out of step: {stable} + {m[b]} rows for root position {n}")
-            F[b, :m[b]] = feats[b]
-            toks[b, :m[b]] = torch.tensor(c.tokens[stable + 1:n + 1])
-            pos[b] = torch.arange(stable, stable + M)
-        toks, pos = toks.to(dev), pos.to(dev)
-        p = span.begin(store, m)
-        sp_toks, sp_pos = span.spread(toks), span.spread(pos)
-        h = self.model(self.model.input_hidden(span.spread(F), sp_toks), sp_toks, sp_pos, p)
-        span.commit(store)
-        last = torch.tensor(m, device=dev) - 1
-        return span.pick(h)[torch.arange(len(ctxs), device=dev), last]
+            if store.lengths[c.row] + m[b] != c.root_position:
+                raise RuntimeError(f"eagle drafter out of step: {store.lengths[c.row]} + {m[b]} rows for root "
+                                   f"position {c.root_position}")
+        dev = feats[0].device
+        out = [None] * len(ctxs)
+        for g in fitting_groups(ctxs, m, store):
+            sub = [ctxs[i] for i in g]
+            span, M = Span(sub), max(m[i] for i in g)
+            F = torch.zeros(len(g), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
+            toks = torch.zeros(len(g), M, dtype=torch.long)
+            pos = torch.zeros(len(g), M, dtype=torch.long)
+            for j, i in enumerate(g):
+                c, stable = ctxs[i], store.lengths[ctxs[i].row]
+                F[j, :m[i]] = feats[i]
+                toks[j, :m[i]] = torch.tensor(c.tokens[stable + 1:c.root_position + 1])
+                pos[j] = torch.arange(stable, stable + M)
+            p = span.begin(store, [m[i] for i in g])
+            sp_toks, sp_pos = span.spread(toks.to(dev)), span.spread(pos.to(dev))
+            h = span.pick(self.model(self.model.input_hidden(span.spread(F), sp_toks), sp_toks, sp_pos, p))
+            span.commit(store)
+            for j, i in enumerate(g):
+                out[i] = h[j, m[i] - 1]
+        return torch.stack(out)
 
     def _rows(self, h, tokens, depth: int, ctxs, span, mask=None):
         """Append T rows of draft depth `depth` per call row (h (B, T, H) the hidden they read, tokens (B, T))

@@ -26,7 +26,7 @@ import torch
 
 from ..base import TREE_KEYS, register
 from ..eagle.drafter import EagleDrafter
-from ..rows import Span, own_store
+from ..rows import Span, fitting_groups, own_store
 
 log = logging.getLogger("specloom")
 
@@ -130,25 +130,26 @@ class MTPDrafter(EagleDrafter):
                 sizes.append(rows)
             if not go:
                 continue
-            sub = [ctxs[b] for b in go]
-            span = Span(sub)
-            M = max(sizes)
             H = h_in[go[0]].shape[-1]
-            x = torch.zeros(len(go), M, H, dtype=h_in[go[0]].dtype, device=dev)
-            toks = torch.zeros(len(go), M, dtype=torch.long)
-            pos = torch.zeros(len(go), M, dtype=torch.long)
-            for j, (b, r) in enumerate(zip(go, sizes)):
-                c, start = ctxs[b], store.lengths[ctxs[b].row]
-                x[j, :r] = h_in[b][:r]
-                toks[j, :r] = torch.tensor(c.tokens[start + 1 + i:start + 1 + i + r])
-                pos[j] = torch.arange(start, start + M)
-            p = span.begin(store, sizes)
-            out = span.pick(m(i, span.spread(x), span.spread(toks.to(dev)), span.spread(pos.to(dev)), p))
-            span.commit(store)
-            for j, (b, r) in enumerate(zip(go, sizes)):
-                outs[b] = out[j, :r]
+            for g in fitting_groups([ctxs[b] for b in go], sizes, store):
+                grp = [go[j] for j in g]
+                rs = [sizes[j] for j in g]
+                span, M = Span([ctxs[b] for b in grp]), max(rs)
+                x = torch.zeros(len(grp), M, H, dtype=h_in[grp[0]].dtype, device=dev)
+                toks = torch.zeros(len(grp), M, dtype=torch.long)
+                pos = torch.zeros(len(grp), M, dtype=torch.long)
+                for j, (b, r) in enumerate(zip(grp, rs)):
+                    c, start = ctxs[b], store.lengths[ctxs[b].row]
+                    x[j, :r] = h_in[b][:r]
+                    toks[j, :r] = torch.tensor(c.tokens[start + 1 + i:start + 1 + i + r])
+                    pos[j] = torch.arange(start, start + M)
+                p = span.begin(store, rs)
+                out = span.pick(m(i, span.spread(x), span.spread(toks.to(dev)), span.spread(pos.to(dev)), p))
+                span.commit(store)
+                for j, (b, r) in enumerate(zip(grp, rs)):
+                    outs[b] = out[j, :r]
             if i == 0:
-                h0 = out[torch.arange(len(go), device=dev), torch.tensor(sizes, device=dev) - 1]
+                h0 = torch.stack([outs[b][-1] for b in range(len(ctxs))])
         return h0
 
     # -- hooks for EagleDrafter's chain / tree ---------------------------------------------------------------
