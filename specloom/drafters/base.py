@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SpecloomError
+from ..kv import kv_bytes_per_token
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 
@@ -43,7 +44,7 @@ def module_bytes(*modules) -> int:
 
 def kv_bytes_per_1k(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
     """KV-cache bytes for 1000 tokens: keys and values of every layer."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size() * 1000
+    return kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype) * 1000
 
 
 def int_key(lo: int, hi: int):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..kv import KVCache
+from ..kv import KVCache, default_kv_dtype
 from .context import AttentionContext, attention_context
 from .layers import RMSNorm, Rope
 
@@ -84,7 +84,7 @@ class DecoderLM(nn.Module):
     def kv_dtype(self, dtype: torch.dtype | None = None) -> torch.dtype:
         if dtype is not None:
             return dtype
-        return torch.float32 if self.device.type == "cpu" else self.dtype
+        return default_kv_dtype(self.device, self.dtype)
 
     def _context(self, positions: torch.Tensor, kv, attn_mask: torch.Tensor | None) -> AttentionContext:
         kvp = kv.open(positions.shape[1])  # a store (every active row) or a pass over some of its rows

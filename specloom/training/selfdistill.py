@@ -73,7 +73,7 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, eos: frozenset
     P = max(len(p) for p in prompts)
     pad = [P - len(p) for p in prompts]
     dev = model.device
-    kv = model.new_kv(P + max_new, dtype=torch.float32 if dev.type == "cpu" else model.dtype, batch=B)
+    kv = model.new_kv(P + max_new, batch=B)  # the default KV dtype (fp32 on CPU)
     pad_t = torch.tensor(pad, device=dev)
     slots = torch.arange(P + max_new, device=dev)
     valid = slots[None, :] >= pad_t[:, None]  # (B, S): real (not padding) slots

@@ -100,10 +100,8 @@ class BlockDrafter(Drafter):
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())}
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self.model.new_kv(1).dtype)}
 
-    def _kv_dtype(self):
-        return torch.float32 if self.model.fc.weight.device.type == "cpu" else self.model.dtype
 
     # -- state: per row, target features of committed positions not yet in the drafter KV ---------------------
     def new_state(self) -> list:

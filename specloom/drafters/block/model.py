@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ...config import RopeScaling
-from ...kv import KVCache
+from ...kv import KVCache, default_kv_dtype
 from ...models.layers import RMSNorm, Rope, apply_rope
 from ..eagle.model import DraftConfigDict, DraftMLP
 
@@ -244,7 +244,7 @@ class BlockDraftModel(nn.Module):
     def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
         c = self.config
         dev = self.fc.weight.device
-        dt = dtype or (torch.float32 if dev.type == "cpu" else self.dtype)
+        dt = dtype or default_kv_dtype(dev, self.dtype)
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, dt, dev, batch)
 
     def extend(self, kv, features: torch.Tensor, positions: torch.Tensor) -> None:

@@ -81,10 +81,8 @@ class EagleDrafter(Drafter):
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, self._kv_dtype())}
+                "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, self.model.new_kv(1).dtype)}
 
-    def _kv_dtype(self):
-        return torch.float32 if self.model.fc.weight.device.type == "cpu" else self.model.dtype
 
     # -- state -----------------------------------------------------------------------------------------------
     def new_state(self) -> _State:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import RopeScaling
-from ...kv import KVCache
+from ...kv import KVCache, default_kv_dtype
 from ...models.context import attention_context
 from ...models.layers import RMSNorm, Rope, apply_rope
 
@@ -204,7 +204,7 @@ class EagleDraftModel(nn.Module):
 
     def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
         c = self.config
-        dt = dtype or (torch.float32 if self.fc.weight.device.type == "cpu" else self.dtype)
+        dt = dtype or default_kv_dtype(self.fc.weight.device, self.dtype)
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, dt, self.fc.weight.device, batch)
 
     # -- training --------------------------------------------------------------------------------------------

@@ -86,10 +86,8 @@ class MTPDrafter(EagleDrafter):
 
         c = self.mtp.config
         return {"weights": module_bytes(self.mtp),
-                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, self._kv_dtype())}
+                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, self.mtp.new_kv(1).dtype)}
 
-    def _kv_dtype(self):
-        return torch.float32 if self.mtp.device.type == "cpu" else self.mtp.dtype
 
     # -- state -----------------------------------------------------------------------------------------------
     def new_state(self) -> _MTPState:

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from ...kv import KVCache
+from ...kv import KVCache, default_kv_dtype
 from ...models import FAMILIES
 from ...models.context import AttentionContext, attention_context
 from ...models.layers import RMSNorm, Rope
@@ -98,7 +98,7 @@ class MTPModel(nn.Module):
 
     def new_kv(self, max_len: int, batch: int = 1, dtype=None) -> KVCache:
         c = self.config
-        dt = dtype or (torch.float32 if self.device.type == "cpu" else self.dtype)
+        dt = dtype or default_kv_dtype(self.device, self.dtype)
         return KVCache(1, c.num_kv_heads, c.head_dim, max_len, dt, self.device, batch)
 
     # -- training --------------------------------------------------------------------------------------------
