@@ -58,14 +58,24 @@ def measure_verify_cost(model, sizes=SIZES, context: int = 256, repeats: int = 7
     return out
 
 
+def host_tag(model) -> str:
+    """Cache-name part for measurements that depend on the host and on the model's linear kernel:
+    `-h<host key>-<kernel tag>` (host.py, bench/kernel_probe.py)."""
+    from ..host import host_key
+
+    choice = getattr(model, "kernel_choice", None)
+    return f"-h{host_key()}-{choice.tag if choice is not None else 'default'}"
+
+
 def verify_cost_curve(model, refresh: bool = False) -> dict[int, float]:
-    """v(n) = t(n) / t(1), cached in ~/.cache/specloom/verify_cost/ per model file, dtype and thread count."""
+    """v(n) = t(n) / t(1), cached in ~/.cache/specloom/verify_cost/ per model file, dtype, host (CPU, threads,
+    torch) and linear kernel."""
     src = getattr(model, "source", None)
     key = file_cache_key(src.path) if src is not None and os.path.isfile(src.path) else None
     path = None
     if key:
         dt = str(model.dtype).replace("torch.", "")
-        name = f"{key}-{dt}-t{torch.get_num_threads()}{device_tag(model.device)}.json"
+        name = f"{key}-{dt}-t{torch.get_num_threads()}{host_tag(model)}{device_tag(model.device)}.json"
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
             with open(path) as f:

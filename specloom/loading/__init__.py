@@ -164,11 +164,13 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
 
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
-    device: str | torch.device | None = "cpu",
+    device: str | torch.device | None = "cpu", kernel: str = "auto",
 ) -> tuple[DecoderLM, Tokenizer]:
     """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory. `device`:
     where the weights go (`cpu`, `cuda`, `cuda:N`; None = `default_device()`); tensors are read (and GGUF blocks
-    dequantized) on the CPU and moved there module by module."""
+    dequantized) on the CPU and moved there module by module. `kernel`: the linear kernel ("auto": chosen per
+    host by a measured, cached probe among those that keep the model's numerics; or one of
+    `cpu_packing.KERNELS`, forced for every pass); the choice is `model.kernel_choice`."""
     dt = parse_dtype(dtype)
     dev = parse_device(device)
     source = resolve(name)
@@ -184,10 +186,16 @@ def load_target(
         tensors, quant_config = _hf_dir_tensors(source.path), raw.get("quantization_config")
     state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, device=dev, progress=progress)
     model = build_model(config, state, device=dev)
+    model.kernel_choice = None
     if pack:
-        # each linear runs the kernel its weight format picks: oneDNN's packed layout for bf16 on CPU, plain
-        # nn.Linear (cuBLAS) on CUDA
-        apply_kernels(model, plan, device=dev)
+        # each linear runs the kernel its weight format picks; dense weights the host's measured choice (oneDNN's
+        # packed layout for bf16 on a CPU whose oneDNN runs bf16, plain nn.Linear elsewhere and on CUDA)
+        from ..bench.kernel_probe import kernel_choice
+
+        choice = kernel_choice(model, kernel, dev, log=(lambda m: print(f"specloom: {m}", file=sys.stderr,
+                                                                        flush=True)) if progress else None)
+        apply_kernels(model, plan, device=dev, choice=choice)
+        model.kernel_choice = choice
     if source.kind == "gguf":
         tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
     else:

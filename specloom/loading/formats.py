@@ -8,8 +8,10 @@ format's `load` returns the module's parameters (HF convention, as `dtype` on `d
 `apply_kernels(model, plan)` gives every `nn.Linear` the module its format's `kernel(linear, device)` chooses.
 
 Registered formats:
-* `dense` -- `weight` (+ `bias`) tensors in fp32 / bf16 / fp16 (HF safetensors or .bin). Kernel: oneDNN's
-  pre-packed `PackedLinear` for bf16 on a CPU whose oneDNN supports bf16; `nn.Linear` as is otherwise (fp32,
+* `dense` -- `weight` (+ `bias`) tensors in fp32 / bf16 / fp16 (HF safetensors or .bin). Kernel: for the target,
+  the host's `KernelChoice` (`specloom.bench.kernel_probe`: a measured probe picks among the kernels of
+  models/cpu_packing.py that keep the model's numerics, cached per host); without one (drafters), oneDNN's
+  pre-packed `PackedLinear` for bf16 on a CPU whose oneDNN supports bf16 and `nn.Linear` as is otherwise (fp32,
   fp16, and any non-CPU device: CUDA never gets oneDNN packing).
 * `gguf` -- GGUF tensors of any GGML type the `gguf` package dequantizes (`specloom.loading.gguf_file`); they
   are dequantized at load, so the kernel is chosen as for `dense`.
@@ -58,11 +60,17 @@ class WeightFormat(Protocol):
     def kernel(self, linear: nn.Linear, device: torch.device | str) -> nn.Module: ...
 
 
-def dense_kernel(linear: nn.Linear, device: torch.device | str | None = None) -> nn.Module:
-    """The kernel for a dense `nn.Linear` that runs on `device` (default: where its weight is): the oneDNN
-    pre-packed bf16 layout on a CPU that supports it (bit-identical to `F.linear` per product, faster when
-    decoding), the plain `nn.Linear` everywhere else."""
+def dense_kernel(linear: nn.Linear, device: torch.device | str | None = None, choice=None) -> nn.Module:
+    """The kernel for a dense `nn.Linear` that runs on `device` (default: where its weight is). With a `choice`
+    (a `KernelChoice`: `single` and `multi` kernel names) its kernels, one module or a `RowSplitLinear`; without
+    one the oneDNN pre-packed bf16 layout on a CPU that supports it (bit-identical to `F.linear` per product,
+    faster when decoding), the plain `nn.Linear` everywhere else."""
     device = linear.weight.device if device is None else torch.device(device)
+    if choice is not None and device.type == "cpu":
+        single = cpu_packing.build_kernel(choice.single, linear)
+        if choice.multi == choice.single:
+            return single
+        return cpu_packing.RowSplitLinear(linear, single, cpu_packing.build_kernel(choice.multi, linear))
     if cpu_packing.packing_supported(linear.weight.dtype, device):
         return cpu_packing.PackedLinear(linear)
     return linear
@@ -70,6 +78,7 @@ def dense_kernel(linear: nn.Linear, device: torch.device | str | None = None) ->
 
 class DenseFormat:
     name = "dense"
+    dense = True  # loads to a dense `weight`: the host's kernel choice applies
     description = "fp32/bf16/fp16 `weight` (+ `bias`) tensors"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -89,6 +98,7 @@ class DenseFormat:
 
 class GGUFFormat:
     name = "gguf"
+    dense = True
     description = "GGUF tensors of a GGML type the `gguf` package dequantizes (dequantized at load)"
 
     def matches(self, module: str, tensors: Tensors, quant_config: dict | None) -> bool:
@@ -165,11 +175,11 @@ def format_for(module: str, tensors: Tensors, quant_config: dict | None = None) 
 
 
 def apply_kernels(model: nn.Module, plan: Mapping[str, str] | None = None,
-                  device: torch.device | str | None = None) -> int:
+                  device: torch.device | str | None = None, choice=None) -> int:
     """Replace every plain `nn.Linear` of `model` by the kernel its weight format chooses. `plan` maps a module
     name (as in `model.named_modules()`) to the format its weights came from; a linear it does not name is
-    `dense`. `device` is where the model will run (default: where each weight is). Returns how many were
-    replaced."""
+    `dense`. `device` is where the model will run (default: where each weight is). `choice`: the host's
+    `KernelChoice` for formats that load dense weights (`fmt.dense`). Returns how many were replaced."""
     plan = plan or {}
     count = 0
     for prefix, parent in list(model.named_modules()):
@@ -180,7 +190,11 @@ def apply_kernels(model: nn.Module, plan: Mapping[str, str] | None = None,
             fmt_name = plan.get(full, "dense")
             if fmt_name not in FORMATS:
                 raise SpecloomError(f"module {full!r}: unknown weight format {fmt_name!r} ({', '.join(FORMATS)})")
-            new = FORMATS[fmt_name].kernel(child, child.weight.device if device is None else device)
+            fmt, dev = FORMATS[fmt_name], child.weight.device if device is None else device
+            if choice is not None and getattr(fmt, "dense", False):
+                new = dense_kernel(child, dev, choice)
+            else:
+                new = fmt.kernel(child, dev)
             if new is not child:
                 setattr(parent, name, new)
                 count += 1

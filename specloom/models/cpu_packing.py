@@ -1,17 +1,35 @@
-"""Pre-packed bf16 weights for CPU decoding.
+"""CPU linear kernels for the target: which one runs each pass is chosen per host by a measured probe.
 
-oneDNN reads a weight reordered into its blocked layout ~35 % faster than a plain `[out, in]` tensor when a
-decode step multiplies one row (measured here: 16.4 ms vs 25.4 ms for SmolLM2-135M's matmuls). For bf16 the
-packed product matched `F.linear` bit for bit on every shape checked. It is *not* guaranteed to be independent of
-the number of rows multiplied at once: on real activations a row of a 6-row product (SmolLM2 layer 6 down_proj)
-differed in the last bit from the same row alone, so bf16 speculative outputs can part from bf16 plain decoding
-at near-ties (see BENCHMARKS.md). fp32 is left alone: its packed path rounds differently from `F.linear`.
+Kernels (names used by `--linear-kernel`, the probe and reports):
+* `onednn` -- bf16 weight pre-packed into oneDNN's blocked layout (`PackedLinear`), on a CPU whose oneDNN runs
+  bf16 (AVX512-BF16 / AMX). Measured here ~35 % faster than a plain `[out, in]` bf16 tensor for one row (16.4 ms
+  vs 25.4 ms for SmolLM2-135M's matmuls), and a pass over 9 rows costs about as much as one. Bit-identical to
+  `F.linear` per product on every shape checked (the probe checks again on each host).
+* `native` -- `F.linear` on the weight as loaded. On an AVX2-only CPU this is the only bf16 kernel: there, a
+  bf16 product over n rows costs about n single-row products.
+* `fp32` -- an fp32 copy of the weight (`Fp32Linear`; output cast back to the activations' dtype). Memory-bound,
+  so cheap for many rows on AVX2 hosts, but for a bf16 model it changes the target's numerics (a different
+  accumulation): never chosen by default, only `--linear-kernel fp32`, and then for every pass.
+* `int8` -- weight-only int8 with a per-output-channel scale through `torch._weight_int8pack_mm` (`Int8Linear`).
+  It changes the target's numerics: only `--linear-kernel int8`, never a default.
+
+Exactness: greedy speculative output must be the plain output under the same settings, so one kernel runs both
+plain and speculative passes -- or two that gave bit-identical products on the probe (`RowSplitLinear`: one for
+single-row passes, one for multi-row passes). Caveat that holds for any single kernel: a product is not
+guaranteed to be independent of the number of rows multiplied at once (on real activations a row of a 6-row bf16
+product, SmolLM2 layer 6 down_proj, differed in the last bit from the same row alone), so bf16 speculative outputs
+can part from bf16 plain decoding at near-ties (see BENCHMARKS.md); fp32 models are exact in the tests. fp32
+weights are never packed: oneDNN's packed fp32 path rounds differently from `F.linear`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+KERNELS = ("onednn", "native", "fp32", "int8")
+NUMERICS_CHANGING = ("fp32", "int8")  # for a bf16/fp16 model (fp32 on an fp32 model is `native`)
 
 
 def onednn_bf16_supported() -> bool:
@@ -28,9 +46,36 @@ def packing_supported(dtype: torch.dtype, device: torch.device | str) -> bool:
     return dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn_bf16_supported()
 
 
+def int8_supported() -> bool:
+    return hasattr(torch, "_weight_int8pack_mm")
+
+
+def kernel_available(name: str, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether kernel `name` can run a weight of `dtype` on `device`."""
+    dev = torch.device(device)
+    if name == "native":
+        return True
+    if dev.type != "cpu":
+        return False
+    if name == "onednn":
+        return packing_supported(dtype, dev)
+    if name == "fp32":
+        return dtype in (torch.bfloat16, torch.float16)  # on fp32 weights it would be `native`
+    if name == "int8":
+        return int8_supported() and dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return False
+
+
+def changes_numerics(name: str, dtype: torch.dtype) -> bool:
+    """Whether kernel `name` computes something else than `F.linear` on the model's own weights would."""
+    return name in NUMERICS_CHANGING and not (name == "fp32" and dtype == torch.float32)
+
+
 class PackedLinear(nn.Module):
     """Inference-only stand-in for an `nn.Linear`; keeps the original weight (shared with e.g. a tied embedding,
     and readable by drafters) next to the packed copy."""
+
+    kernel = "onednn"
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -43,10 +88,78 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
 
 
+class Fp32Linear(nn.Module):
+    """fp32 copy of a bf16/fp16 weight; activations are upcast (exactly) and the output cast back."""
+
+    kernel = "fp32"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias  # the originals (drafters read them)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.w32 = linear.weight.detach().float()
+        self.b32 = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.w32, self.b32).to(x.dtype)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8: symmetric per-output-channel scale (max |w| / 127), `torch._weight_int8pack_mm`."""
+
+    kernel = "int8"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)
+        self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.scale = scale.to(linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x.reshape(-1, self.in_features).contiguous(), self.qweight,
+                                      self.scale.to(x.dtype))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+class RowSplitLinear(nn.Module):
+    """Two kernels that gave bit-identical products on the probe: `single` for single-row passes (plain
+    decoding), `multi` for passes over several rows (verification, prefill, batches)."""
+
+    def __init__(self, linear: nn.Linear, single: nn.Module, multi: nn.Module):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.single, self.multi = single, multi
+        self.kernel = f"{getattr(single, 'kernel', 'native')}+{getattr(multi, 'kernel', 'native')}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.single if x.numel() == x.shape[-1] else self.multi)(x)
+
+
+def build_kernel(name: str, linear: nn.Linear) -> nn.Module:
+    """The module that runs `linear` with kernel `name` (`native`: the linear itself)."""
+    if name == "native":
+        return linear
+    cls = {"onednn": PackedLinear, "fp32": Fp32Linear, "int8": Int8Linear}.get(name)
+    if cls is None:
+        raise ValueError(f"unknown linear kernel {name!r} ({', '.join(KERNELS)})")
+    return cls(linear)
+
+
+def kernel_of(module: nn.Module) -> str:
+    """The kernel name a (replaced) linear runs."""
+    return getattr(module, "kernel", "native")
+
+
 def pack_linears(model: nn.Module) -> int:
     """Give every `nn.Linear` of `model` (dense weights, e.g. a drafter's) the kernel the weight-format seam picks
     for dense weights (`specloom.loading.formats.dense_kernel`): a `PackedLinear` for bf16 on a CPU that supports
-    it. Returns how many were replaced."""
+    it. Returns how many were replaced. (A drafter's numerics change only its acceptance, never the output.)"""
     from ..loading.formats import apply_kernels  # the loader imports this module
 
     return apply_kernels(model)
