@@ -4,11 +4,16 @@
 same code as the serving scheduler (step.py), over a KV store of one row:
 
     row = stepper.new_row(request, 0); stepper.prefill(row, len(prompt))       # chunked; samples the first token
+    policy.admit(row, drafter)            # DepthPolicy (serving/load_aware.py), the scheduler's mechanism
     while not row.finish:
-        row.ctx.k = drafter depth                                                # capped by the token budget
-        stepper.step([row])   # propose -> prune -> one target pass -> mask -> verify -> commit -> drafter update
+        policy.run_step(stepper, [row])   # depth from the cost curve and this request's acceptance, then
+                                          # propose -> prune -> one target pass -> mask -> verify -> commit
 
-Every pass that yields tokens counts in `num_target_passes`, so tau = generated tokens / passes (1.0 plain).
+`speculation` picks the depth: "auto" (what `specloom.load` and the CLI use) chooses it every step from this
+host's cached verify-cost curve c(1, n) and the request's acceptance (EWMA, started from the drafter's measured
+tau): E[tokens | alpha](k) / (c(1, nodes(k)) + draft_cost(k)), plain decoding when no depth pays by 2 %;
+"fixed" always drafts the drafter's own depth (the constructor's default, which the exactness tests use); "off"
+never drafts. Every pass that yields tokens counts in `num_target_passes`, so tau = generated tokens / passes.
 """
 
 from __future__ import annotations
@@ -36,7 +41,14 @@ class Engine:
         max_model_len: int | None = None,
         prefill_chunk: int = 512,
         kv_dtype: torch.dtype | None = None,
+        speculation: str = "fixed",
+        cost=None,
     ):
+        from .serving.load_aware import MODE_ALIASES, MODES
+
+        mode = MODE_ALIASES.get(speculation, speculation)
+        if mode not in MODES:
+            raise SpecloomError(f"speculation must be auto, fixed or off, got {speculation!r}")
         self.model = model
         self.kv_dtype = kv_dtype  # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv)
         self.tokenizer = tokenizer
@@ -48,6 +60,29 @@ class Engine:
         self.max_model_len = min(max_model_len or model.config.max_position, model.config.max_position)
         self.prefill_chunk = prefill_chunk
         self._kv: KVCache | None = None
+        self.speculation = "auto" if mode == "load_aware" else mode
+        self.cost = cost  # BatchCost over one row (auto); measured or read from the host's cache when first needed
+        self._policy = None
+
+    # -- speculation depth ----------------------------------------------------------------------------------
+    def depth_policy(self):
+        """The engine's `DepthPolicy` (kept across requests: drafting cost, tree size and acceptance learned
+        online); None without a drafter or with speculation off."""
+        from .serving.load_aware import DepthPolicy, batch_cost_cached, drafter_prior_tau
+
+        if self.drafter is None or self.speculation == "off":
+            return None
+        mode = "load_aware" if self.speculation == "auto" else self.speculation
+        if self._policy is None or self._policy.mode != mode:
+            if mode == "load_aware" and self.cost is None:
+                import sys
+
+                self.cost = batch_cost_cached(self.model, 1, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
+                                                                                   flush=True))
+            prior = drafter_prior_tau(self.drafter, self.speculative_config, self.model.config)
+            self._policy = DepthPolicy.for_drafter(mode, self.drafter, self.cost if mode == "load_aware" else None,
+                                                   prior)
+        return self._policy
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None, chat: bool = False) -> list[int]:
@@ -129,16 +164,27 @@ class Engine:
         self.check_request(ids, max_tokens)
         req = Request(ids, max_tokens, params, stop or [], ignore_eos, constraint, on_tokens, logprobs)
         kv = self._kv_for(len(ids) + max_tokens + TREE_SLACK)
-        stepper = Stepper(self.model, self.drafter, kv, self.tokenizer, self.prefill_chunk)
+        policy = self.depth_policy()
+        if policy is None:
+            from .serving.load_aware import DepthPolicy
+
+            policy = DepthPolicy("off", 0)
+        stepper = Stepper(self.model, self.drafter if policy.mode != "off" else None, kv, self.tokenizer,
+                          self.prefill_chunk)
         row = stepper.new_row(req, 0)
+        policy.admit(row, stepper.drafter)
         while not row.finish and row.prefilled < len(ids):
             stepper.prefill(row, len(ids))
+        depths = []
         while not row.finish:
-            row.ctx.k = row.cap(self.drafter)
-            stepper.step([row])
+            depths.append(policy.run_step(stepper, [row])[1][0])
         if row.error is not None:
             raise row.error
-        return row.result()
+        result = row.result()
+        result.speculation = {"mode": self.speculation if self.drafter is not None else "off",
+                              "steps": len(depths), "mean_depth": sum(depths) / len(depths) if depths else 0.0,
+                              "drafted_steps": sum(k > 0 for k in depths), "drafting_at_end": row.drafting}
+        return result
 
 
 def load(
@@ -149,11 +195,16 @@ def load(
     progress: bool = True,
     kv_dtype: str | torch.dtype | None = None,
     device: str | torch.device | None = "cpu",
+    speculation: str = "auto",
+    linear_kernel: str = "auto",
 ) -> Engine:
     """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` None = automatic
     (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere). `device`:
     `cpu` (default), `cuda` or `cuda:N`, or None for `cuda` when PyTorch sees a GPU (the CLI's default); the
-    drafter is built on the target's device."""
+    drafter is built on the target's device. `speculation`: "auto" (default: depth per step from this host's
+    verify-cost curve and the request's acceptance, plain decoding where the drafter cannot pay), "fixed" or
+    "off". `linear_kernel`: "auto" (the host's measured, numerics-preserving choice) or a kernel name
+    (`models/cpu_packing.py`; `fp32`/`int8` change a bf16 target's numerics and are opt-in only)."""
     from .loading import load_config, load_target, parse_device, parse_dtype, resolve
 
     dev = parse_device(device)  # a bad device fails before anything loads
@@ -161,5 +212,11 @@ def load(
     kv_dt = None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype)
     if spec is not None:  # fail fast, before the target's weights load
         DRAFTERS[spec.method].check(spec, load_config(resolve(model))[0])
-    target, tokenizer = load_target(model, dtype, progress=progress, device=dev)
-    return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt)
+    if speculation not in ("auto", "load_aware", "fixed", "off"):
+        raise SpecloomError(f"speculation must be auto, fixed or off, got {speculation!r}")
+    from .models.cpu_packing import KERNELS
+
+    if linear_kernel not in ("auto", *KERNELS):
+        raise SpecloomError(f"unknown linear kernel {linear_kernel!r} (auto, {', '.join(KERNELS)})")
+    target, tokenizer = load_target(model, dtype, progress=progress, device=dev, kernel=linear_kernel)
+    return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt, speculation=speculation)

@@ -34,6 +34,7 @@ class GenerationResult:
     total_seconds: float = 0.0
     draft_seconds: float = 0.0  # time in the drafter (prefill, propose, on_verified), part of total_seconds
     logprobs: list | None = None  # per token (logprob, [(alternative id, logprob), ...]) when asked
+    speculation: dict | None = None  # Engine.generate: mode, steps, mean chosen depth, steps that drafted
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -44,9 +45,16 @@ class GenerationResult:
         """Generated tokens per second, prefill included (as a user feels it)."""
         return len(self.token_ids) / self.total_seconds if self.total_seconds > 0 else 0.0
 
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second after the prefill (the first token comes out of the prefill)."""
+        t = self.total_seconds - self.prefill_seconds
+        return (len(self.token_ids) - 1) / t if t > 0 and len(self.token_ids) > 1 else 0.0
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["tokens_per_second"] = self.tokens_per_second
+        d["decode_tokens_per_second"] = self.decode_tokens_per_second
         d["acceptance_per_position"] = self.acceptance_per_position
         d["num_prompt_tokens"] = len(self.prompt_token_ids)
         d["num_generated_tokens"] = len(self.token_ids)

@@ -70,8 +70,11 @@ class BatchScheduler:
         self.drafter = engine.drafter
         self.pool = self.model.new_kv(engine.max_model_len + TREE_SLACK, kv_dtype, batch=rows, active=0)
         self.stepper = Stepper(self.model, self.drafter, self.pool, engine.tokenizer, engine.prefill_chunk)
-        k = self.drafter.num_speculative_tokens if self.drafter else 0
-        self.policy = DepthPolicy(mode if k else "off", k, cost)
+        from .load_aware import drafter_prior_tau
+
+        spec = engine.speculative_config
+        prior = drafter_prior_tau(self.drafter, spec, self.model.config) if self.drafter else None
+        self.policy = DepthPolicy.for_drafter(mode, self.drafter, cost, prior)
         self.max_queue = 4 * rows if max_queue is None else max_queue
         spec = engine.speculative_config
         self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -84,7 +87,6 @@ class BatchScheduler:
         self._closed = False
         self.steps = 0
         self._last_top, self._last_log = -1, 0.0
-        self._t1 = cost.base if cost is not None else None
         self.thread = None
         if start:
             self.thread = threading.Thread(target=self.run, name="specloom-scheduler", daemon=True)
@@ -149,7 +151,7 @@ class BatchScheduler:
                         break
                     seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
                     self.prefilling = self.stepper.new_row(seq, seq.row)
-                    self.prefilling.acc = self.policy.new_acceptance()
+                    self.policy.admit(self.prefilling, self.drafter)
                 row = self.prefilling
                 if row.req.cancelled:
                     row.finish = "abort"
@@ -220,20 +222,8 @@ class BatchScheduler:
         n = len(rows)
         off = self.disable_by_batch_size is not None and n >= self.disable_by_batch_size  # vLLM's key
         caps = [0 if off else r.cap(self.drafter) for r in rows]
-        ks = self.policy.choose([r.acc.alpha for r in rows], caps)
-        nodes = self.drafter.num_nodes if self.drafter else None
-        full = self.drafter.num_speculative_tokens if self.drafter else 0
-        for r, k in zip(rows, ks):
-            r.ctx.k = k
-            # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
-            shrink = self.policy.mode == "load_aware" and nodes and 0 < k < full  # not for the budget's own cut
-            r.ctx.max_nodes = max(k, -(-nodes * k // full)) if shrink else None
-        rep = self.stepper.step(rows)
-        if self.policy.cost is not None and self.policy.mode == "load_aware":
-            self.policy.cost.observe(n, rep.width, rep.pass_seconds)
+        rep, ks = self.policy.run_step(self.stepper, rows, caps)  # depths, tree sizes, the step, calibration
         self.steps += 1
-        for r, tree, acc in zip(rows, rep.trees, rep.accepted):
-            self.policy.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, self._t1)
         if self.on_step is not None:
             self.on_step(n, ks)
         top = max(ks)

@@ -11,7 +11,13 @@ maximises the batch's expected tokens per unit time
 (k = 0 is plain decoding: speculation switches itself off when the machine is busy), then lowers k for each
 request whose own acceptance does not pay for its share. Acceptance per request is a decayed count of accepted
 drafts and rejections (the maximum-likelihood alpha of a geometric run), started from the running average of all
-requests. Modes: "off" (never draft), "fixed" (always the configured depth), "load_aware" (this policy).
+requests, which starts from the drafter's measured tau (its checkpoint's manifest figure) or 0.5. Modes: "off"
+(never draft), "fixed" (always the configured depth), "load_aware" (this policy; `generate`/`bench` call it
+"auto" and run it over one row: `Engine(speculation="auto")`).
+
+The same mechanism on every host: where verification is nearly free (oneDNN bf16: c(1, 9) ~ 1.2) it drafts deep;
+where a pass costs about its token count (AVX2-only bf16: c(1, 5) ~ 3.3) no depth pays and it decodes plain. The
+curve is measured per host and linear kernel (`host.py`, `bench/kernel_probe.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 ROWS = (1, 2, 4, 8, 16)
 TOKENS = (1, 2, 3, 5, 9, 17)
 MODES = ("off", "fixed", "load_aware")
+MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
 
 
 def geometric_tokens(alpha: float, k: int) -> float:
@@ -55,8 +62,9 @@ class BatchCost:
     """c(n, T): seconds of one pass over n rows x T tokens, relative to c(1, 1); bilinear in (n, T) on the grid,
     linear beyond its edges."""
 
-    def __init__(self, seconds: dict[tuple[int, int], float]):
+    def __init__(self, seconds: dict[tuple[int, int], float], frozen: bool = False):
         self.seconds = seconds
+        self.frozen = frozen  # True: no online calibration (a forced curve, e.g. in tests)
         self.rows = sorted({n for n, _ in seconds})
         self.tokens = sorted({t for _, t in seconds})
         self.base = seconds[(self.rows[0], self.tokens[0])]
@@ -74,6 +82,8 @@ class BatchCost:
             a, b = xs[-2], xs[-1]
             return a, b, (x - a) / (b - a)  # extrapolate from the last segment
 
+        if len(self.rows) == 1:  # a one-row curve (Engine.generate): rows scale the cost linearly
+            return max(self._interp_row(t) * n / self.rows[0], 1e-9)
         n0, n1, fn = bracket(self.rows, n)
         t0, t1, ft = bracket(self.tokens, t)
         s = self.seconds
@@ -85,9 +95,20 @@ class BatchCost:
         hi = at(n1, t0) + (at(n1, t1) - at(n1, t0)) * ft
         return max(lo + (hi - lo) * fn, 1e-9)
 
+    def _interp_row(self, t: float) -> float:
+        xs, r = self.tokens, self.rows[0]
+        if t <= xs[0] or len(xs) == 1:
+            return self.seconds[(r, xs[0])]
+        for a, b in zip(xs, xs[1:]):
+            if t <= b:
+                break
+        return self.seconds[(r, a)] + (self.seconds[(r, b)] - self.seconds[(r, a)]) * (t - a) / (b - a)
+
     def observe(self, n: int, t: int, seconds: float, weight: float = 0.1) -> None:
         """Calibrate online with a measured pass: scale the nearest grid point towards what this pass cost
         relative to the curve's prediction (start-up measurements use a 128-token context; real contexts differ)."""
+        if self.frozen:
+            return
         n0 = min(self.rows, key=lambda r: abs(math.log(r / n)))
         t0 = min(self.tokens, key=lambda x: abs(x - t))
         ratio = seconds / self._interp(n, t)
@@ -136,21 +157,22 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int = 
 
 
 def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> BatchCost:
-    """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads and rows."""
-    from ..bench.verify_cost import device_tag
+    """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads, rows, host
+    (CPU, flags, torch) and linear kernel."""
+    from ..bench.verify_cost import device_tag, host_tag
     from ..tokenizer import cache_dir, file_cache_key
 
     src = getattr(model, "source", None)
     path = None
     if src is not None and os.path.isfile(src.path):
         name = (f"batch-{file_cache_key(src.path)}-{str(model.dtype).replace('torch.', '')}"
-                f"-t{torch.get_num_threads()}-r{max_rows}{device_tag(model.device)}.json")
+                f"-t{torch.get_num_threads()}-r{max_rows}{host_tag(model)}{device_tag(model.device)}.json")
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
             with open(path) as f:
                 return BatchCost.from_json(json.load(f))
     if log:
-        log("measuring the batch verify-cost curve (once per model, dtype and thread count)")
+        log("measuring the verify-cost curve (once per model, dtype, host and kernel)")
     cost = measure_batch_cost(model, max_rows)
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -159,20 +181,110 @@ def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> 
     return cost
 
 
+def tau_to_alpha(tau: float, k: int) -> float:
+    """The per-depth acceptance alpha whose k-deep geometric run gives tau tokens per step (inverse of
+    `geometric_tokens`): how a drafter's measured tau becomes the policy's prior."""
+    if k <= 0 or tau <= 1.0:
+        return 0.0
+    if tau >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if geometric_tokens(mid, k) < tau else (lo, mid)
+    return (lo + hi) / 2
+
+
+def drafter_prior_tau(drafter, spec=None, target_config=None) -> float | None:
+    """The drafter's measured tau, if it has one: `drafter.prior_tau`, else the `measured.mean_accepted_length`
+    its checkpoint's config records (the bundled drafters' manifest figures); None when unknown."""
+    tau = getattr(drafter, "prior_tau", None)
+    if tau:
+        return float(tau)
+    if spec is None or target_config is None:
+        return None
+    try:
+        from ..drafters.checkpoint import find_drafter_dir, read_drafter_config
+
+        raw = read_drafter_config(find_drafter_dir(spec.model, spec.method, target_config), spec.method)
+    except Exception:  # no checkpoint (n-gram, draft_model), or one without a readable config
+        return None
+    for d in [raw, *(v for v in raw.values() if isinstance(v, dict))]:
+        m = d.get("measured")
+        if isinstance(m, dict) and isinstance(m.get("mean_accepted_length"), (int, float)):
+            return float(m["mean_accepted_length"])
+    return None
+
+
+def cheap_drafter(drafter) -> bool:
+    """A drafter that reads no target features and keeps no KV of its own (n-gram): idle steps cost it nothing
+    and it catches up from the tokens alone, so it can stay on (and be probed now and then) while not drafting.
+    Any other drafter updates its state every step even at depth 0, so a row where it cannot pay turns it off."""
+    try:
+        kv = drafter.memory().get("kv_per_1k_tokens", 0)
+    except Exception:
+        kv = 1
+    return not drafter.needs_hidden and not kv
+
+
 class DepthPolicy:
-    def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None):
+    """How deep each row drafts this step; one copy for `Engine.generate` (one row, `speculation="auto"`) and
+    the serving scheduler (`--speculation load_aware`).
+
+    `run_step(stepper, rows, caps)` is the whole mechanism: choose a depth per row, size trees to it (a
+    shallower EAGLE-2/MTP tree keeps proportionally fewer nodes), run the step, calibrate the cost curve with the
+    measured pass, update each row's acceptance and the drafting cost. In "load_aware" mode a row whose drafter
+    cannot pay even alone falls back to plain decoding: a cheap drafter (n-gram) stays on and is probed at depth 1
+    every 8..64 idle steps (the period doubles while probes do not pay), any other drafter is turned off for the
+    row after `patience` idle steps (or at admission, `admit`, when its prior already says it cannot pay)."""
+
+    def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
+                 nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False):
+        mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
-            raise ValueError(f"speculation mode must be one of {MODES}, got {mode!r}")
+            raise ValueError(f"speculation mode must be one of {MODES} (or auto), got {mode!r}")
         if mode == "load_aware" and cost is None:
             raise ValueError("load-aware speculation needs a batch cost curve")
         self.mode, self.max_k, self.cost = mode, max_k, cost
-        self.draft_cost = 0.0  # drafting time per depth per request, relative to c(1, 1) (EMA)
-        self.nodes_per_depth = 1.0  # tree nodes per unit of depth (1 for chains; EMA over proposed trees)
-        self.global_alpha = Acceptance(prior=0.5, weight=2.0, decay=0.98)
+        self.draft_cost = 0.0  # drafting time per depth per request, relative to c(1, 1) (see `observe`)
+        self._draft_obs: list[float] = []
+        self.nodes_per_depth = nodes_per_depth  # tree nodes per unit of depth (1 for chains; EMA over trees)
+        self.full_nodes = full_nodes  # the drafter's own tree size at max_k (None: a chain)
+        self.cheap = cheap
+        self.prior_alpha = prior_alpha
+        self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
+        self.t1 = cost.base if cost is not None else None  # seconds of one 1x1 pass (the cost curve's unit)
+        self.explore_base, self.explore_max, self.patience = 8, 64, 8
+        self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen
         self.last_k = 0
 
+    @classmethod
+    def for_drafter(cls, mode: str, drafter, cost: BatchCost | None = None,
+                    prior_tau: float | None = None) -> "DepthPolicy":
+        """A policy for `drafter` (None: off): its depth, tree size per depth, cheapness and a prior acceptance
+        from its measured tau (0.5 when unknown)."""
+        k = drafter.num_speculative_tokens if drafter is not None else 0
+        if not k:
+            return cls("off", 0)
+        nodes = drafter.num_nodes
+        prior = tau_to_alpha(prior_tau, k) if prior_tau else 0.5
+        return cls(mode, k, cost, prior_alpha=prior, nodes_per_depth=nodes / k if nodes else 1.0,
+                   full_nodes=nodes, cheap=cheap_drafter(drafter))
+
     def new_acceptance(self) -> Acceptance:
-        return Acceptance(prior=self.global_alpha.alpha, weight=2.0)
+        acc = Acceptance(prior=self.global_alpha.alpha, weight=2.0)
+        acc.idle, acc.period = 0, self.explore_base
+        return acc
+
+    def admit(self, row, drafter) -> None:
+        """Give a new row its acceptance counters; in load-aware mode turn a (not cheap) drafter off before its
+        prefill when even alone it could not pay at the drafter's prior acceptance (nor at what recent requests
+        saw): e.g. a tree drafter of tau 1.6 on a host where verifying its tree costs 5 decode steps."""
+        row.acc = self.new_acceptance()
+        alpha = max(self.prior_alpha, self.global_alpha.alpha)
+        if (self.mode == "load_aware" and row.drafting and not self.cheap
+                and not self.pays_alone(alpha, row.cap(drafter))):
+            row.drafting, row.ctx.state = False, None
 
     def observe(self, acc: Acceptance, depth: int, nodes: int, accepted: int, draft_seconds: float,
                 step_seconds_1x1: float | None) -> None:
@@ -182,11 +294,33 @@ class DepthPolicy:
         self.global_alpha.update(depth, accepted)
         self.nodes_per_depth = 0.9 * self.nodes_per_depth + 0.1 * (nodes - 1) / depth
         if step_seconds_1x1:
-            self.draft_cost = 0.9 * self.draft_cost + 0.1 * draft_seconds / depth / step_seconds_1x1
+            # the first drafted step of a policy is a warm-up (lazy allocations, new shapes): not counted; then the
+            # median of the next five (one outlier does not turn drafting off), then an EMA
+            d = draft_seconds / depth / step_seconds_1x1
+            obs = self._draft_obs
+            if len(obs) < 6:
+                obs.append(d)
+                if len(obs) > 1:
+                    self.draft_cost = statistics.median(obs[1:])
+            else:
+                self.draft_cost = 0.9 * self.draft_cost + 0.1 * d
+
+    def nodes(self, k: int) -> int:
+        """Tokens of a k-deep draft's verification pass (root included)."""
+        return 1 + math.ceil(k * self.nodes_per_depth)
 
     def _rate(self, alphas: list[float], k: int, n: int) -> float:
-        nodes = 1 + math.ceil(k * self.nodes_per_depth)
-        return sum(geometric_tokens(a, k) for a in alphas) / (self.cost(n, nodes) + n * k * self.draft_cost)
+        return sum(geometric_tokens(a, k) for a in alphas) / (self.cost(n, self.nodes(k)) + n * k * self.draft_cost)
+
+    def expected_speedup(self, alpha: float, k: int) -> float:
+        """One row: E[tokens per step](k) / (verify_cost(k) + draft_cost(k)) against plain decoding."""
+        return self._rate([alpha], k, 1) / self._rate([alpha], 0, 1)
+
+    def pays_alone(self, alpha: float, cap: int) -> bool:
+        """Whether some depth up to `cap` beats plain decoding (by the margin) for one row at this acceptance."""
+        if self.cost is None:
+            return cap > 0
+        return any(self.expected_speedup(alpha, k) > self.margin for k in range(1, min(self.max_k, cap) + 1))
 
     def choose(self, alphas: list[float], caps: list[int]) -> list[int]:
         """Depth per request (each at most its cap: the drafter's depth and the tokens it may still emit)."""
@@ -197,11 +331,48 @@ class DepthPolicy:
         else:
             n = len(alphas)
             top = min(self.max_k, max(caps))
-            k_batch = max(range(top + 1), key=lambda k: (self._rate(alphas, k, n), -k))
+            base = self._rate(alphas, 0, n) * self.margin
+            k_batch = max(range(top + 1), key=lambda k: (self._rate(alphas, k, n) if k == 0 or
+                                                          self._rate(alphas, k, n) > base else 0.0, -k))
             ks = []
             for a, c in zip(alphas, caps):
-                share = [geometric_tokens(a, k) / (self.cost(n, 1 + math.ceil(k * self.nodes_per_depth)) / n
-                                                   + k * self.draft_cost) for k in range(min(k_batch, c) + 1)]
-                ks.append(max(range(len(share)), key=lambda k: (share[k], -k)))
+                share = [geometric_tokens(a, k) / (self.cost(n, self.nodes(k)) / n + k * self.draft_cost)
+                         for k in range(min(k_batch, c) + 1)]
+                ks.append(max(range(len(share)), key=lambda k: (share[k] if k == 0 or share[k] > share[0] *
+                                                                self.margin else 0.0, -k)))
         self.last_k = max(ks, default=0)
         return ks
+
+    def run_step(self, stepper, rows: list, caps: list[int] | None = None):
+        """One step of `rows` (pool rows 0..n-1) at the depths this policy picks; returns (StepReport, depths)."""
+        drafter = stepper.drafter
+        if caps is None:
+            caps = [r.cap(drafter) for r in rows]
+        ks = self.choose([r.acc.alpha for r in rows], caps)
+        if self.mode == "load_aware":
+            for i, (r, k, c) in enumerate(zip(rows, ks, caps)):
+                if k > 0 or c <= 0 or not r.drafting:
+                    r.acc.idle, r.acc.period = 0, self.explore_base if k > 0 else r.acc.period
+                    continue
+                r.acc.idle += 1
+                if self.pays_alone(r.acc.alpha, c):
+                    continue  # idle because of the load, not the drafter
+                if not self.cheap:
+                    if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
+                        r.drafting, r.ctx.state = False, None
+                elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance
+                    ks[i], r.acc.idle = 1, 0
+                    r.acc.period = min(2 * r.acc.period, self.explore_max)
+        full = self.max_k
+        for r, k in zip(rows, ks):
+            r.ctx.k = k
+            # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
+            shrink = self.mode == "load_aware" and self.full_nodes and 0 < k < full  # not for the budget's own cut
+            r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink else None
+        rep = stepper.step(rows)
+        n = len(rows)
+        if self.cost is not None and self.mode == "load_aware":
+            self.cost.observe(n, rep.width, rep.pass_seconds)
+        for r, tree, acc in zip(rows, rep.trees, rep.accepted):
+            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, self.t1)
+        return rep, ks
