@@ -4,9 +4,9 @@ The common keys (vLLM's names) are checked here: `method`, `model`, `num_specula
 `disable_by_batch_size`, `draft_tensor_parallel_size` (must be 1 here). Every other key belongs to a drafter kind,
 which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
 `num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`),
-`prompt_lookup_min` / `prompt_lookup_max` (ngram), `confidence_threshold` (dflash, dspark). A key no kind knows is
-refused with the list of known ones; a key of another kind is refused naming the method's own keys. Nothing is
-silently ignored.
+`prompt_lookup_min` / `prompt_lookup_max` (ngram), `suffix_decoding_*` (suffix), `confidence_threshold` (dflash,
+dspark). A key no kind knows is refused with the list of known ones; a key of another kind is refused naming the
+method's own keys. Nothing is silently ignored.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .drafters import DRAFTERS, KINDS, Kind
 from .errors import SpecloomError
 
-KNOWN_METHODS = ("ngram", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
+KNOWN_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
 MAX_SPECULATIVE_TOKENS = 64
 COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"}
 
@@ -37,6 +37,10 @@ class SpeculativeConfig:
     tree_width: int | None = None
     num_draft_tokens: int | None = None
     confidence_threshold: float | None = None
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -163,6 +163,16 @@ class Stepper:
     def new_row(self, req: Request, row: int) -> Row:
         return Row(req, self.tokenizer, self.kv, row, self.model.device, self.drafter)
 
+    def finished(self, row: Row) -> None:
+        """Tell the drafter that `row` is done (serving, as it retires a row that did not fail). A drafter
+        failure here is logged and ignored: the row's output is complete."""
+        if self.drafter is None or not row.drafting or row.error is not None:
+            return
+        try:
+            self.drafter.on_finished(row.ctx)
+        except Exception:
+            log.exception("drafter on_finished failed")
+
     def _drafter_failed(self, rows: list[Row], what: str) -> None:
         log.exception("drafter %s failed: speculation off for %d sequence(s)", what, len(rows))
         for r in rows:

@@ -8,6 +8,7 @@ drafter pass per depth for the whole batch:
     prefill(ctx, target_out)                    after one row's prompt prefill (target_out: its ForwardOutput)
     propose(ctxs) -> list[DraftTree]            root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
     on_verified(ctxs, results, target_out)      target_out: the step's batched pass; row ctx.row is this row's
+    on_finished(ctx)                            serving: a request is done (ctx.tokens = prompt + its output)
 
 Each `DraftContext` names its row of the target's KV store (`ctx.kv`, `ctx.row`); a drafter keeps its own
 keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows move and free
@@ -150,3 +151,9 @@ class Drafter:
 
     def on_verified(self, ctxs: list[DraftContext], results: list, target_out) -> None:
         pass
+
+    def on_finished(self, ctx: DraftContext) -> None:
+        """A served request is done and did not fail (the scheduler calls this once, as it retires the row,
+        before the caller sees the result): `ctx.tokens` is its prompt and whole output. Drafters that learn
+        across requests (suffix: its cache of earlier responses) keep what they need; by default nothing.
+        `Engine.generate` does not call it: each call stands alone."""

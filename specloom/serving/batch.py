@@ -192,6 +192,7 @@ class BatchScheduler:
             seq.error = row.error
         else:
             seq.result = row.result()
+            self.stepper.finished(row)  # before the caller sees it: its next request can draft from this one
         seq.done.set()
 
     def _retire(self) -> None:
