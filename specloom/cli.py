@@ -39,6 +39,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--speculation", default="auto", choices=["auto", "fixed", "off"],
+                   help="draft depth per step: auto (default: from this host's verify-cost curve and the request's "
+                        "acceptance; plain decoding where the drafter cannot pay), fixed (the drafter's own depth), "
+                        "off")
+    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "native", "fp32", "int8"],
+                   help="the target's linear kernel: auto (default: measured once per host among the kernels that "
+                        "keep the model's numerics); fp32 and int8 change a bf16 model's numerics (opt-in)")
     _device(p)
 
 
@@ -57,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g.add_argument("--compare-plain", action="store_true",
+                   help="also decode the same prompt without speculation in the same run (after a short warm-up "
+                        "of both) and print both speeds, the speed-up and tau")
 
     b = sub.add_parser("bench", help="benchmark a candidate against a baseline, interleaved in one run")
     _common(b)
@@ -178,34 +188,64 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args) -> int:
-    from .engine import load
+    from .engine import Engine, load
+    from .host import host_info, host_line
     from .sampling import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
     engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                  device=args.device)
-    result = engine.generate(
-        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-    )
+                  device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
+    kw = dict(chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed, stop=args.stop)
+    plain = None
+    if args.compare_plain:
+        plain = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype)
+        for e in (plain, engine):  # warm-up: one-time kernel set-up, the verify-cost curve (cached per host)
+            e.generate(args.prompt, **{**kw, "max_tokens": min(8, args.max_tokens)})
+    result = engine.generate(args.prompt, **kw)
+    base = plain.generate(args.prompt, **kw) if plain is not None else None
+    host = host_info(engine.model.device)
+    choice = getattr(engine.model, "kernel_choice", None)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        d = result.to_dict()
+        d["host"] = host
+        d["linear_kernel"] = choice.to_dict() if choice is not None else None
+        if base is not None:
+            d["plain"] = {k: v for k, v in base.to_dict().items() if k not in ("logprobs", "prompt_token_ids")}
+            d["speedup"] = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
+            d["identical_to_plain"] = result.token_ids == base.token_ids
+        print(json.dumps(d))
         return 0
     print(result.text)
-    n = len(result.token_ids)
+    err = sys.stderr
     spec = ""
     if engine.drafter is not None:
+        s = result.speculation or {}
         alpha = ", ".join(f"{a:.2f}" for a in result.acceptance_per_position)
-        spec = (f", {engine.drafter.method}: {result.num_accepted_tokens}/{result.num_draft_tokens} drafted tokens "
-                f"accepted, acceptance per position [{alpha}]")
-    print(
-        f"\n[{n} tokens in {result.total_seconds:.2f} s: {result.tokens_per_second:.1f} tokens/s "
-        f"(prefill of {len(result.prompt_token_ids)} tokens {result.prefill_seconds * 1000:.0f} ms), "
-        f"{result.num_target_passes} target passes, mean accepted length {result.mean_accepted_length:.2f}"
-        f"{spec}, finish: {result.finish_reason}]",
-        file=sys.stderr,
-    )
+        spec = (f"; {engine.drafter.method}, speculation {s.get('mode', engine.speculation)} (mean depth "
+                f"{s.get('mean_depth', 0):.1f}, {s.get('drafted_steps', 0)}/{s.get('steps', 0)} steps drafted): "
+                f"{result.num_accepted_tokens}/{result.num_draft_tokens} drafted tokens accepted, acceptance per "
+                f"position [{alpha}]")
+    print(f"\n[{_speed(result)}, {result.num_target_passes} target passes, tau {result.mean_accepted_length:.2f}"
+          f"{spec}, finish: {result.finish_reason}]", file=err)
+    if base is not None:
+        ratio = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
+        same = "identical output" if base.token_ids == result.token_ids else "outputs differ"
+        print(f"[plain decoding, same prompt, same run: {_speed(base)}]\n"
+              f"[speed-up {ratio:.2f}x ({result.decode_tokens_per_second:.1f} vs {base.decode_tokens_per_second:.1f} "
+              f"tokens/s, prefill excluded), tau {result.mean_accepted_length:.2f}, {same}]", file=err)
+    print(f"[{host_line(host)}; {choice.describe() if choice is not None else 'linear kernel: default'}]", file=err)
     return 0
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def _speed(r) -> str:
+    """`128 tokens, 41.2 tokens/s (prefill of 80 tokens: 95 ms, not counted)`."""
+    return (f"{len(r.token_ids)} tokens, {r.decode_tokens_per_second:.1f} tokens/s (prefill of "
+            f"{len(r.prompt_token_ids)} tokens: {r.prefill_seconds * 1000:.0f} ms, not counted)")
 
 
 def _bench(args) -> int:
@@ -221,14 +261,14 @@ def _bench(args) -> int:
         run_compare(args.model, args.prompts, candidates, limit=args.limit, per_category=args.per_category,
                     categories=args.categories.split(",") if args.categories else None,
                     max_tokens=args.max_tokens, dtype=args.dtype, chat=not args.raw, json_out=args.json_out,
-                    device=args.device)
+                    device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
         return 0
     run_bench(
         args.model, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
         categories=args.categories.split(",") if args.categories else None,
         max_tokens=args.max_tokens, dtype=args.dtype,
         speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
-        json_out=args.json_out, device=args.device,
+        json_out=args.json_out, device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel,
     )
     return 0
 

@@ -2,7 +2,9 @@
 
 Protocol (../shared/reference/benchmarking.md): one warm-up generation each, then for every prompt the baseline
 and the candidate run back to back, alternating which goes first (A B, B A, ...) so drift cancels. Tokens/s
-count generated tokens over wall time *including prefill*. `speedup` is the median of the per-prompt ratios;
+count generated tokens over wall time *including prefill*. The report records the host
+(CPU model and flags, oneDNN bf16, threads, torch: `host.py`), the target's linear kernel and the speculation
+mode (`auto` by default: depth per step from the host's verify-cost curve and the acceptance). `speedup` is the median of the per-prompt ratios;
 `speedup_aggregate` the ratio of total throughputs. Greedy outputs are compared token by token.
 """
 
@@ -113,10 +115,13 @@ def run_bench(
     per_category: int | None = None,
     categories: list[str] | None = None,
     device: str | None = "cpu",
+    speculation: str = "auto",
+    linear_kernel: str = "auto",
 ) -> dict:
     rows = read_prompts(prompts, limit, per_category, categories)
     engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype,
-                  device=device)
+                  device=device, speculation=speculation, linear_kernel=linear_kernel)
+    host = print_host(engine.model, file=sys.stderr)
     candidate = EngineRunner(engine, "specloom" + (f"+{engine.speculative_config.method}"
                                                    if engine.speculative_config else ""))
     if baseline == "hf":
@@ -184,6 +189,7 @@ def run_bench(
         "baseline": base.name + (" (fp32)" if baseline == "hf" else f" ({dtype})"),
         "candidate": candidate.name,
         "speculative_config": engine.speculative_config.__dict__ if engine.speculative_config else None,
+        "speculation": engine.speculation if engine.drafter is not None else "off",
         "max_tokens": max_tokens,
         "chat_template": use_chat,
         "num_prompts": len(rows),
@@ -196,6 +202,8 @@ def run_bench(
         "acceptance_per_position": acceptance_rates(accepted, proposed),
         "identical_outputs": sum(p["identical"] for p in per_prompt),
         "prefill_included": True,
+        "host": host,
+        "linear_kernel": kernel_report(engine.model),
         "environment": {
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": platform.processor() or
             platform.machine(), "python": platform.python_version(), "device": str(engine.model.device),
@@ -212,6 +220,24 @@ def run_bench(
     else:
         print(json.dumps({k: v for k, v in report.items() if k != "prompts"}))
     return report
+
+
+def kernel_report(model) -> dict | None:
+    choice = getattr(model, "kernel_choice", None)
+    return choice.to_dict() if choice is not None else None
+
+
+def print_host(model, file=sys.stderr) -> dict:
+    """Print the host's capability and the target's linear kernel (a report's header); return `host_info`."""
+    from ..host import host_info, host_line
+
+    info = host_info(model.device)
+    choice = getattr(model, "kernel_choice", None)
+    file.write(f"{host_line(info)}\n{choice.describe() if choice is not None else 'linear kernel: default'}\n")
+    for note in choice.notes if choice is not None else []:
+        file.write(f"  {note}\n")
+    file.flush()
+    return info
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Which linear kernel runs the target's passes on this host: a short measured probe, cached per host.
 
-For each distinct linear shape of the model (one module of each, weighted by how many the model has) every
+For each distinct linear shape of the model (one module of each, weighted by how many the model has; a weight
+of more than 8192 rows by its first 8192, time scaled) every
 candidate kernel (models/cpu_packing.py: `onednn`, `native`, `fp32`, `int8`) multiplies 1 row (a plain decode
 step) and `MULTI` rows (a verification pass over a small tree / chain), interleaved, median of a few repeats
 within a time budget. The products are also compared bit for bit with `native` (`F.linear`) at both row counts.
@@ -32,6 +33,7 @@ from ..host import host_key
 from ..models import cpu_packing
 
 MULTI = 9  # rows of the multi-row probe: an n-gram chain of 4-8, an EAGLE-2 tree of 8 nodes + root
+MAX_OUT = 8192  # larger weights (a 262k-word head) are probed on their first rows, time scaled up
 
 
 @dataclass
@@ -102,7 +104,14 @@ def probe_kernels(model: nn.Module, kernels: list[str], rows=(1, MULTI), repeats
     ms = {k: {n: 0.0 for n in rows} for k in kernels}
     identical = {k: True for k in kernels}
     share = budget_s / max(len(groups), 1)
-    for lin, count in groups:
+    for full, count in groups:
+        lin, scale = full, 1.0
+        if full.out_features > MAX_OUT:  # bounded probe time and memory: time a slice, scale by its share
+            lin = nn.Linear(full.in_features, MAX_OUT, bias=full.bias is not None, device="meta")
+            lin.weight = nn.Parameter(full.weight.detach()[:MAX_OUT], requires_grad=False)
+            if full.bias is not None:
+                lin.bias = nn.Parameter(full.bias.detach()[:MAX_OUT], requires_grad=False)
+            scale = full.out_features / MAX_OUT
         dev, dt = lin.weight.device, lin.weight.dtype
         xs = {n: torch.randn(n, lin.in_features, generator=g).to(device=dev, dtype=dt) for n in rows}
         ref = {n: lin(xs[n]) for n in rows}
@@ -122,7 +131,7 @@ def probe_kernels(model: nn.Module, kernels: list[str], rows=(1, MULTI), repeats
             if rep >= 1 and time.perf_counter() > t_end:
                 break
         for (k, n), ts in times.items():
-            ms[k][n] += 1000 * count * statistics.median(ts)
+            ms[k][n] += 1000 * count * scale * statistics.median(ts)
         del mods
     return {"rows": list(rows), "ms": {k: {str(n): v for n, v in d.items()} for k, d in ms.items()},
             "identical_to_native": identical, "shapes": len(groups)}

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..engine import Engine, acceptance_rates, load, mean_accepted_length
 from ..errors import SpecloomError
 from ..speculative import SpeculativeConfig
-from .harness import EngineRunner, _add, divergence_margin, read_prompts
+from .harness import EngineRunner, _add, divergence_margin, kernel_report, print_host, read_prompts
 
 
 def _summary(rows: list[dict], base_key="b", name="") -> dict:
@@ -59,19 +59,21 @@ def _costs(rows: list[dict]) -> dict:
 
 def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_category=None, categories=None,
                 max_tokens: int = 128, dtype: str = "bf16", chat: bool = True, json_out: str | None = None,
-                progress: bool = True, device: str | None = "cpu") -> dict:
+                progress: bool = True, device: str | None = "cpu", speculation: str = "auto",
+                linear_kernel: str = "auto") -> dict:
     if not isinstance(candidates, dict) or not candidates:
         raise SpecloomError('--compare needs a JSON object {"name": {speculative config}, ...}')
     specs = {name: SpeculativeConfig.parse(spec) for name, spec in candidates.items()}
     rows = read_prompts(prompts, limit, per_category, categories)
-    plain_engine = load(model, dtype=dtype, progress=progress, device=device)
+    plain_engine = load(model, dtype=dtype, progress=progress, device=device, linear_kernel=linear_kernel)
     m, tok = plain_engine.model, plain_engine.tokenizer
+    host = print_host(m, file=sys.stderr)
     from ..drafters import DRAFTERS
 
     engines = {}
     for name, spec in specs.items():
         DRAFTERS[spec.method].check(spec, m.config)
-        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len), name)
+        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len, speculation=speculation), name)
     memory = {name: r.engine.drafter.memory() for name, r in engines.items()}
     base = EngineRunner(plain_engine, "plain")
     use_chat = chat and tok.has_chat_template
@@ -102,7 +104,8 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
                 if diverged else None,
             })
     report = {"model": model, "dtype": dtype, "max_tokens": max_tokens, "chat_template": use_chat,
-              "num_prompts": len(rows), "prefill_included": True, "candidates": {}}
+              "num_prompts": len(rows), "prefill_included": True, "speculation": speculation, "host": host,
+              "linear_kernel": kernel_report(m), "candidates": {}}
     for name, rs in per.items():
         cats = sorted({r["category"] for r in rs if r["category"]})
         report["candidates"][name] = {

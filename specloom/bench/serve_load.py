@@ -16,6 +16,7 @@ import json
 import random
 import socket
 import statistics
+import sys
 import threading
 import time
 
@@ -125,11 +126,12 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
     from ..engine import load
     from ..serving.api import Server
     from ..serving.load_aware import batch_cost_cached
-    from .harness import read_prompts
+    from .harness import kernel_report, print_host, read_prompts
 
     prompts = [r["text"] for r in read_prompts(prompts_path)]
     random.Random(0).shuffle(prompts)  # every level gets a mix of categories (Spec-Bench files are sorted by one)
     engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len, device=device)
+    host = print_host(engine.model, file=sys.stdout)
     fits = [p for p in prompts if len(engine.encode(p, chat=True)) + max_tokens <= max_model_len]
     print(f"{len(fits)} of {len(prompts)} prompts fit --max-model-len {max_model_len} with {max_tokens} new tokens",
           flush=True)
@@ -145,7 +147,8 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
                     max_queue=4 * rows, start=False)
     live = LiveServer(server)
     report: dict = {"model": model, "speculative_config": speculative_config, "dtype": dtype, "max_tokens": max_tokens,
-                    "concurrency": concurrency, "modes": modes, "levels": {}}
+                    "concurrency": concurrency, "modes": modes, "host": host,
+                    "linear_kernel": kernel_report(engine.model), "levels": {}}
     errors: list[BaseException] = []
 
     def drive():

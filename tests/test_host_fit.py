@@ -1,0 +1,299 @@
+"""Fitting speculation to the host (issue 13, items 8 and 9): the host's capability in reports, the linear kernel
+chosen from a measured probe (numerics-preserving kernels only by default, a row split only between bit-identical
+kernels), the draft depth chosen from the host's verify-cost curve and the request's acceptance for both host
+kinds (cheap verification -> deep; verification costing ~n decode steps -> plain or depth 1), outputs unchanged
+whatever is chosen, and `generate --compare-plain`."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from specloom import Engine, SpecloomError
+from specloom.bench import kernel_probe
+from specloom.bench.kernel_probe import KernelChoice, choose_kernels, kernel_choice
+from specloom.host import host_info, host_key, host_line
+from specloom.models import cpu_packing
+from specloom.serving.load_aware import BatchCost, DepthPolicy, drafter_prior_tau, geometric_tokens, tau_to_alpha
+from specloom.speculative import SpeculativeConfig
+
+TOKENS = (1, 2, 3, 5, 9, 17)
+# one-row verify-cost curves c(1, T) in decode steps: a oneDNN-bf16 host (9 tokens ~ 1.2 steps) and an AVX2-only
+# host (measured there: v(5) = 3.3, v(16) = 8.1)
+CHEAP = {1: 1.0, 2: 1.02, 3: 1.04, 5: 1.08, 9: 1.2, 17: 1.5}
+AVX2 = {1: 1.0, 2: 1.6, 3: 2.1, 5: 3.3, 9: 5.3, 17: 8.6}
+LINEAR_IN_N = {t: float(t) for t in TOKENS}
+
+
+def curve(c: dict) -> BatchCost:
+    # a 20 ms decode step; frozen: the tiny test models' real pass times do not recalibrate it
+    return BatchCost({(1, t): 0.02 * v for t, v in c.items()}, frozen=True)
+
+
+@pytest.fixture
+def onednn(monkeypatch):
+    """Force this host's kind: onednn(True) = oneDNN runs bf16, onednn(False) = an AVX2-only host."""
+    def force(supported: bool):
+        monkeypatch.setattr(cpu_packing, "onednn_bf16_supported", lambda: supported)
+    return force
+
+
+# -- the host in reports ----------------------------------------------------------------------------------------
+
+def test_host_info_line_and_key(onednn):
+    info = host_info()
+    for k in ("cpu", "cpu_flags", "isa", "mkldnn_bf16", "threads", "torch", "kind"):
+        assert k in info, k
+    assert info["threads"] == torch.get_num_threads() and info["torch"] == torch.__version__
+    assert info["kind"] == ("bf16" if info["mkldnn_bf16"] else "no-bf16")
+    line = host_line(info)
+    assert line.startswith("host: ") and info["cpu"] in line and "oneDNN bf16" in line and "threads" in line
+    key = host_key()
+    assert len(key) == 12 and key == host_key()
+    onednn(not info["mkldnn_bf16"])  # the other kind of host: another key, so no cache is shared
+    assert host_key() != key and host_info()["kind"] != info["kind"]
+
+
+# -- the linear kernel ------------------------------------------------------------------------------------------
+
+def _probe(ms: dict, identical: dict) -> dict:
+    return {"rows": [1, 9], "ms": {k: {"1": a, "9": b} for k, (a, b) in ms.items()},
+            "identical_to_native": identical}
+
+
+def test_kernel_choice_on_a_bf16_host(onednn):
+    onednn(True)
+    p = _probe({"onednn": (16, 17), "native": (27, 27), "fp32": (27, 74), "int8": (9, 37)},
+               {"onednn": True, "native": True, "fp32": False, "int8": False})
+    c = choose_kernels(p, torch.bfloat16)
+    assert (c.single, c.multi, c.tag) == ("onednn", "onednn", "onednn") and not c.changes_numerics
+    # int8 is faster for one row but changes the target: reported, never chosen
+    assert any(n.startswith("int8 would be faster for 1 row") and "--linear-kernel int8" in n for n in c.notes)
+    assert any(n.startswith("fp32 does not win") for n in c.notes)
+    assert "onednn 16.0/17.0" in c.describe()
+
+
+def test_kernel_choice_on_an_avx2_host(onednn):
+    onednn(False)  # no oneDNN bf16: native bf16 costs ~n for n rows, fp32 is memory-bound
+    p = _probe({"native": (3.4, 30.0), "fp32": (12.4, 14.0), "int8": (5.0, 40.0)},
+               {"native": True, "fp32": False, "int8": False})
+    c = choose_kernels(p, torch.bfloat16)
+    assert (c.single, c.multi) == ("native", "native")
+    assert any(n.startswith("fp32 would be faster for 9 rows") and "numerics" in n for n in c.notes), c.notes
+
+
+def test_row_split_only_between_bit_identical_kernels(onednn):
+    onednn(True)
+    ms = {"onednn": (16, 30), "native": (27, 20)}
+    c = choose_kernels(_probe(ms, {"onednn": True, "native": True}), torch.bfloat16)
+    assert (c.single, c.multi, c.tag) == ("onednn", "native", "onednn+native")
+    c = choose_kernels(_probe(ms, {"onednn": False, "native": True}), torch.bfloat16)
+    assert (c.single, c.multi) == ("onednn", "onednn") and any("not mixed" in n for n in c.notes)
+    # a row split runs the single-row kernel for one row and the other for more
+    lin = nn.Linear(8, 4).bfloat16()
+    calls = []
+
+    class Spy(nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            calls.append(self.name)
+            return lin(x)
+
+    split = cpu_packing.RowSplitLinear(lin, Spy("single"), Spy("multi"))
+    split(torch.randn(1, 1, 8).bfloat16())
+    split(torch.randn(1, 5, 8).bfloat16())
+    split(torch.randn(3, 1, 8).bfloat16())
+    assert calls == ["single", "multi", "multi"]
+
+
+def test_kernels_compute_the_product():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48).bfloat16()
+    x = torch.randn(2, 5, 64).bfloat16()
+    ref = x.float() @ lin.weight.float().T + lin.bias.float()
+    f32 = cpu_packing.Fp32Linear(lin)(x)
+    assert f32.dtype == torch.bfloat16 and f32.shape == (2, 5, 48)
+    assert torch.allclose(f32.float(), ref, atol=2e-2, rtol=2e-2)
+    if cpu_packing.int8_supported():
+        q = cpu_packing.Int8Linear(lin)
+        y = q(x)
+        assert y.shape == (2, 5, 48) and q.qweight.dtype == torch.int8 and q.weight is lin.weight
+        assert (y.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    assert cpu_packing.build_kernel("native", lin) is lin
+    assert not cpu_packing.kernel_available("fp32", torch.float32, "cpu")  # fp32 on fp32 weights is native
+    assert cpu_packing.changes_numerics("int8", torch.float32) and not cpu_packing.changes_numerics("fp32", torch.float32)
+
+
+def _small_bf16_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64), nn.Linear(128, 64)).bfloat16()
+
+
+def test_forced_kernels_and_errors():
+    m = _small_bf16_model()
+    c = kernel_choice(m, "fp32", "cpu")
+    assert (c.single, c.multi) == ("fp32", "fp32") and c.changes_numerics and "numerics" in c.reason
+    assert kernel_choice(m, "native", "cpu").changes_numerics is False
+    with pytest.raises(SpecloomError, match="unknown linear kernel"):
+        kernel_choice(m, "fp8", "cpu")
+    assert kernel_choice(m.float(), "auto", "cpu").tag == "native"  # fp32: the only exact kernel, no probe
+    c = kernel_choice(m, "auto", "meta")
+    assert c.tag == "native" and c.probe is None  # not a CPU: nothing to probe
+
+
+def test_probe_is_measured_once_per_host_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    m = _small_bf16_model()
+    c = kernel_choice(m, "auto", "cpu")
+    files = list((tmp_path / "specloom" / "host").glob("kernels-*.json"))
+    assert len(files) == 1 and host_key() in files[0].name
+    saved = json.loads(files[0].read_text())
+    assert set(saved["ms"]) == set(kernel_probe.candidates(torch.bfloat16, "cpu"))
+    assert saved["identical_to_native"]["native"] is True
+    assert c.probe["ms"] == saved["ms"] and c.single in kernel_probe.exact_candidates(torch.bfloat16, "cpu")
+    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: pytest.fail("probed again"))
+    assert kernel_choice(m, "auto", "cpu").tag == c.tag  # read from the cache
+    # the chosen kernels really run: same products as F.linear for the exact ones
+    from specloom.loading.formats import apply_kernels
+
+    x = torch.randn(3, 64).bfloat16()
+    want = m[0](x)
+    apply_kernels(m, choice=c)
+    assert cpu_packing.kernel_of(m[0]) == c.single or isinstance(m[0], cpu_packing.RowSplitLinear)
+    if c.probe["identical_to_native"][c.multi]:
+        assert torch.equal(m[0](x), want)
+
+
+# -- the depth -------------------------------------------------------------------------------------------------
+
+def test_depth_from_the_host_curve_for_both_host_kinds():
+    # a chain drafter (n-gram, depth 6): deep on the bf16 host, plain or depth 1 where verifying costs ~n
+    fast = DepthPolicy("auto", 6, curve(CHEAP))
+    assert fast.mode == "load_aware" and fast.choose([0.7], [6]) == [6]
+    assert fast.expected_speedup(0.7, 6) > 2.0 and fast.pays_alone(0.5, 6)
+    slow = DepthPolicy("auto", 6, curve(AVX2))
+    assert slow.choose([0.5], [6]) == [0] and not slow.pays_alone(0.5, 6)
+    assert slow.choose([0.7], [6]) in ([0], [1])
+    assert 1 <= slow.choose([0.9], [6])[0] <= 2  # very good drafts: a shallow chain still pays there
+    assert DepthPolicy("auto", 6, curve(LINEAR_IN_N)).choose([0.9], [6]) == [0]  # cost exactly n: never pays
+    # a tree drafter (EAGLE-3 shape: 6 deep, 24 nodes): trees are cheap on the bf16 host, not on the AVX2 host
+    tree = dict(nodes_per_depth=4.0, full_nodes=24)
+    assert DepthPolicy("auto", 6, curve(CHEAP), **tree).choose([0.7], [6])[0] >= 3
+    assert DepthPolicy("auto", 6, curve(AVX2), **tree).choose([0.5], [6]) == [0]
+    # drafting cost counts: an expensive drafter goes shallower or off
+    fast.draft_cost = 0.5
+    assert fast.choose([0.7], [6])[0] < 6
+    # the fixed and off modes ignore the curve
+    assert DepthPolicy("fixed", 6).choose([0.0], [3]) == [3] and DepthPolicy("off", 6).choose([1.0], [6]) == [0]
+
+
+def test_prior_from_the_drafters_measured_tau():
+    for k in (1, 4, 6):
+        for a in (0.1, 0.4, 0.8):
+            assert tau_to_alpha(geometric_tokens(a, k), k) == pytest.approx(a, abs=1e-6)
+    assert tau_to_alpha(1.0, 4) == 0.0 and tau_to_alpha(9.0, 4) == 1.0
+
+    class D:
+        prior_tau = 1.6
+
+    assert drafter_prior_tau(D()) == 1.6
+    try:
+        from specloom.loading import load_config, resolve
+
+        cfg = load_config(resolve("smollm2-135m"))[0]
+    except SpecloomError:
+        pytest.skip("smollm2-135m not installed")
+    class E:
+        prior_tau = None
+    tau = drafter_prior_tau(E(), SpeculativeConfig.parse({"method": "eagle3"}), cfg)
+    assert tau is not None and 1.0 < tau < 3.0  # the bundled EAGLE-3's manifest figure
+    assert drafter_prior_tau(E(), SpeculativeConfig.parse({"method": "ngram"}), cfg) is None
+
+
+N = 24
+REPEAT = [5, 6, 7, 8, 9] * 6  # n-gram drafts get accepted
+
+
+def _engines(t, spec, cost):
+    spec = SpeculativeConfig.parse(spec)
+    return Engine(t.model, t.tokenizer, spec, speculation="auto", cost=cost), Engine(t.model, t.tokenizer)
+
+
+@pytest.mark.parametrize("host", ["bf16", "avx2"])
+def test_auto_speculation_is_exact_and_follows_the_host(tiny, host):
+    """Auto depth on a forced cost curve: the bf16 host drafts deep (n-gram), the AVX2 host decodes plain (n-gram:
+    a depth-1 probe now and then; draft_model, which updates its own KV every step, is turned off before its
+    prefill); the output is plain decoding's whatever is chosen."""
+    t = tiny("llama")
+    c = CHEAP if host == "bf16" else LINEAR_IN_N
+    plain = Engine(t.model, t.tokenizer)
+    prompts = (REPEAT, [17, 99, 4, 250, 31])
+    want = [plain.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True).token_ids for ids in prompts]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4},
+                 {"method": "draft_model", "model": t.path, "num_speculative_tokens": 4}):
+        auto = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(spec), speculation="auto", cost=curve(c))
+        for ids, ref in zip(prompts, want):
+            got = auto.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+            assert got.token_ids == ref, (spec, ids)
+            s = got.speculation
+            assert s["mode"] == "auto" and s["steps"] == got.num_target_passes - 1
+            if host == "bf16" and spec["method"] == "ngram":  # drafting costs ~nothing: deep
+                assert s["mean_depth"] >= 2, (spec, s)
+            if host == "avx2":
+                assert s["drafted_steps"] <= 2, (spec, s)  # only probes (after 8, then 16 idle steps)
+                if spec["method"] == "draft_model":
+                    assert s["drafted_steps"] == 0 and not s["drafting_at_end"] and got.num_draft_tokens == 0
+
+
+def test_fixed_and_off_modes(tiny):
+    t = tiny("llama")
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    want = Engine(t.model, t.tokenizer).generate(prompt_token_ids=REPEAT, max_tokens=N, ignore_eos=True)
+    fixed = Engine(t.model, t.tokenizer, spec).generate(prompt_token_ids=REPEAT, max_tokens=N, ignore_eos=True)
+    off = Engine(t.model, t.tokenizer, spec, speculation="off").generate(prompt_token_ids=REPEAT, max_tokens=N,
+                                                                          ignore_eos=True)
+    assert fixed.token_ids == off.token_ids == want.token_ids
+    assert fixed.speculation["mode"] == "fixed" and fixed.num_draft_tokens > 0
+    assert off.num_draft_tokens == 0 and off.speculation["mode"] == "off"
+    with pytest.raises(SpecloomError, match="speculation"):
+        Engine(t.model, t.tokenizer, spec, speculation="sometimes")
+
+
+# -- reports and the CLI ---------------------------------------------------------------------------------------
+
+def test_bench_report_records_the_host(tiny, tmp_path):
+    from specloom.bench.harness import run_bench
+
+    t = tiny("llama")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(f"w{i}" for i in REPEAT)}) + "\n")
+    r = run_bench(t.path, str(prompts), max_tokens=12, dtype="fp32", progress=False,
+                  speculative_config={"method": "ngram"}, json_out=str(tmp_path / "out.json"))
+    saved = json.loads((tmp_path / "out.json").read_text())
+    for rep in (r, saved):
+        assert rep["host"]["cpu_flags"] == host_info()["cpu_flags"] and "mkldnn_bf16" in rep["host"]
+        assert rep["speculation"] == "auto" and rep["linear_kernel"]["tag"] == "native"
+        assert rep["identical_outputs"] == 1
+
+
+def test_generate_compare_plain(tiny, capsys):
+    from test_cli import run_in_process
+
+    t = tiny("llama")
+    prompt = " ".join(f"w{i}" for i in REPEAT)
+    args = ("generate", t.path, "--prompt", prompt, "--max-tokens", "24", "--dtype", "fp32",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}', "--compare-plain")
+    rc, out, err = run_in_process(capsys, *args)
+    assert rc == 0, err
+    assert "plain decoding, same prompt, same run" in err and "speed-up" in err and "tau" in err
+    assert "prefill excluded" in err and "host: " in err and "linear kernel" in err
+    rc, out, err = run_in_process(capsys, *args, "--json")
+    assert rc == 0, err
+    d = json.loads(out)
+    assert d["identical_to_plain"] and d["plain"]["token_ids"] == d["token_ids"] and len(d["token_ids"]) == 24
+    assert d["speedup"] > 0 and d["decode_tokens_per_second"] > 0 and d["host"]["threads"] >= 1
+    assert d["speculation"]["mode"] == "auto"
