@@ -83,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="self-distillation data: the target answers prompts; store ids and hidden states")
     d.add_argument("--target", required=True, help="target model (alias, .gguf or HF directory)")
-    d.add_argument("--prompts", nargs="+", required=True, help="JSONL files or directories of them")
+    d.add_argument("--prompts", nargs="*", default=[], help="JSONL files or directories of them (never eval/)")
+    d.add_argument("--magpie", type=int, default=0, metavar="N",
+                   help="also N conversations whose user query the target writes itself (Magpie)")
     d.add_argument("--out", required=True, help="output directory (rerun to resume)")
     d.add_argument("--max-new-tokens", type=_positive_int, default=160)
     d.add_argument("--batch-size", type=_positive_int, default=64)
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model | mtp | dflash | dspark | target (a new small "
                    "model trained from scratch jointly with --mtp N MTP layers; --target names its tokenizer)")
     t.add_argument("--target", required=True, help="the target model the data was made with")
+    d.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp32", "auto"],
+                   help="KV store of the generator (default bf16: batched decode reads the KV of every row each step)")
     t.add_argument("--data", required=True, nargs="+", help="directories written by `specloom data`")
     t.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
     t.add_argument("--init-from", default=None, help="start from this drafter checkpoint")
@@ -276,15 +280,11 @@ def _bench(args) -> int:
 def _data(args) -> int:
     from .training.selfdistill import build_dataset
 
-    layers = None
-    if args.layers:
-        try:
-            layers = tuple(int(x) for x in args.layers.split(","))
-        except ValueError:
-            raise SpecloomError(f"--layers must be comma-separated integers, got {args.layers!r}") from None
-    build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens,
-                  batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, limit=args.limit,
-                  capture=layers, dtype=args.dtype, device=args.device)
+    build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens, rows=args.rows,
+                  max_prompt_tokens=args.max_prompt_tokens, limit=args.limit, magpie=args.magpie,
+                  sampled_fraction=args.sampled_fraction, multi_turn_fraction=args.multi_turn_fraction,
+                  temperature_range=tuple(args.temperature_range), shard_tokens=args.shard_tokens, seed=args.seed,
+                  dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device, command=" ".join(["specloom", *sys.argv[1:]]))
     return 0
 
 

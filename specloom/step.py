@@ -279,6 +279,8 @@ class Stepper:
 
         # per row: mask, verify with its own generator, commit its path
         results = [None] * n
+        plain_greedy = [r.req.params.greedy and r.req.constraint is None for r in rows]
+        best = out.logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None  # one argmax for the step
         for b, r in enumerate(rows):
             if r.finish:
                 continue
@@ -286,7 +288,8 @@ class Stepper:
             try:
                 if r.req.constraint is not None:
                     r.req.constraint.mask(trees[b], logits)
-                results[b] = verify(trees[b], logits, r.req.params, r.generator)
+                results[b] = verify(trees[b], logits, r.req.params, r.generator,
+                                    best[b][:sizes[b]] if best is not None and plain_greedy[b] else None)
                 self.kv.commit(results[b].path, row=b)
             except Exception as e:
                 results[b] = None

@@ -62,11 +62,14 @@ def verify(
     target_logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    best: list[int] | None = None,
 ) -> VerifyResult:
+    """`best`, for greedy rows: the argmax of each row of `target_logits`, when the caller computed it already
+    (one argmax over all rows of a batched step)."""
     if target_logits.shape[0] != len(tree):
         raise ValueError(f"{target_logits.shape[0]} rows of logits for a tree of {len(tree)} nodes")
     if params.greedy:
-        return _verify_greedy(tree, target_logits)
+        return _verify_greedy(tree, target_logits, best)
     if generator is not None and generator.device.type != target_logits.device.type:
         raise ValueError(f"the sampling generator is on {generator.device} but the logits are on "
                          f"{target_logits.device}: create it with SamplingParams.generator(model.device)")
@@ -75,10 +78,13 @@ def verify(
     return _verify_sampling_batched(tree, target_logits, params, generator)
 
 
-def _verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-    if len(tree) == 1:  # plain decoding: no drafts
-        return VerifyResult([0], [int(logits[0].argmax())], True)
-    best = logits.argmax(-1).tolist()  # one pass over all nodes
+def _verify_greedy(tree: DraftTree, logits: torch.Tensor, best: list[int] | None = None) -> VerifyResult:
+    if best is None:
+        if len(tree) == 1:  # plain decoding: no drafts
+            return VerifyResult([0], [int(logits[0].argmax())], True)
+        best = logits.argmax(-1).tolist()  # one pass over all nodes
+    if len(tree) == 1:
+        return VerifyResult([0], [best[0]], True)
     node, path = 0, [0]
     while True:
         want = best[node]

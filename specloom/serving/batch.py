@@ -48,6 +48,7 @@ class Sequence(Request):
     result: GenerationResult | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    on_done: object | None = None  # callback(seq), called from the scheduler thread when it finishes or fails
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -194,6 +195,11 @@ class BatchScheduler:
             seq.result = row.result()
             self.stepper.finished(row)  # before the caller sees it: its next request can draft from this one
         seq.done.set()
+        if seq.on_done is not None:
+            try:
+                seq.on_done(seq)
+            except Exception:  # a caller's callback must not stop the scheduler
+                log.exception("on_done callback failed")
 
     def _retire(self) -> None:
         """Finish and remove sequences that are done, failed or cancelled; their pool rows are freed at once. The

@@ -1,4 +1,9 @@
-"""Reading `specloom data` shards as padded training batches."""
+"""Reading `specloom data` shards as padded training batches.
+
+Shards hold token ids and loss masks; hidden states are either stored with them (the first data format) or
+recomputed by the frozen target when a batch is collated (`attach(target)`: one bf16 forward over the batch,
+capturing the ids the trainer reads). Recomputing was measured faster here than reading bf16 states back from disk,
+and it keeps a 5M-token dataset at ~50 MB instead of ~40 GB (BENCHMARKS.md, "Self-distillation data")."""
 
 from __future__ import annotations
 
@@ -15,7 +20,8 @@ from ..errors import SpecloomError
 class DistillData:
     """All shards of a data directory, held in memory (bf16 hidden states)."""
 
-    def __init__(self, paths: "str | list[str]", ids: tuple[int, ...], max_tokens: int | None = None):
+    def __init__(self, paths: "str | list[str]", ids: tuple[int, ...], max_tokens: int | None = None,
+                 max_tokens_per_dir: int | None = None):
         from safetensors import safe_open
 
         paths = [paths] if isinstance(paths, str) else list(paths)
@@ -30,7 +36,8 @@ class DistillData:
             with open(meta_path) as f:
                 meta = json.load(f)
             missing = [i for i in ids if i not in meta["capture"]]
-            if missing:
+            tokens_only = not meta["capture"]  # recomputed by the target at collate time
+            if missing and not tokens_only:
                 raise SpecloomError(f"{path}: hidden states {missing} were not stored (have {meta['capture']}); "
                                     "regenerate with --layers")
             if self.metas and meta.get("fingerprint") != self.metas[0].get("fingerprint"):
@@ -39,19 +46,49 @@ class DistillData:
             files = sorted(glob.glob(os.path.join(path, "shard_*.safetensors")))
             if not files:
                 raise SpecloomError(f"{path}: no shards yet")
+            here = 0
             for fn in files:
-                with safe_open(fn, framework="pt") as f:  # only the tensors asked for (shards hold more layers)
-                    d = {k: f.get_tensor(k) for k in ("tokens", "offsets", "loss_mask", *(f"hidden.{i}" for i in ids))}
+                want = ("tokens", "offsets", "loss_mask") + (() if tokens_only else tuple(f"hidden.{i}" for i in ids))
+                try:
+                    with safe_open(fn, framework="pt") as f:  # only the tensors asked for (shards hold more layers)
+                        d = {k: f.get_tensor(k) for k in want}
+                except Exception as e:
+                    raise SpecloomError(f"{fn}: not a readable specloom data shard ({e})") from None
                 off = d["offsets"].tolist()
                 for a, b in zip(off[:-1], off[1:]):
+                    if not d["loss_mask"][a:b].any():
+                        continue
                     self.seqs.append((d["tokens"][a:b].long(), d["loss_mask"][a:b].bool(),
-                                      {i: d[f"hidden.{i}"][a:b] for i in ids}))
+                                      None if tokens_only else {i: d[f"hidden.{i}"][a:b] for i in ids}))
                     total += b - a
-                if max_tokens and total >= max_tokens:
+                    here += b - a
+                if (max_tokens and total >= max_tokens) or (max_tokens_per_dir and here >= max_tokens_per_dir):
                     break
+            if max_tokens and total >= max_tokens:
+                break
         self.meta = self.metas[0]
         self.num_tokens = total
+        self.num_answer_tokens = sum(int(m.sum()) for _, m, _ in self.seqs)
         self.ids = ids
+        self.target = None
+
+    def attach(self, target) -> None:
+        """The frozen target that recomputes hidden states for shards that do not store them."""
+        self.target = target
+
+    @torch.inference_mode()
+    def recompute(self, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
+        """{id: (B, T, H) bf16} from one target pass over right-padded `tokens` (padding never reaches a valid
+        position: attention is causal)."""
+        t = self.target
+        if t is None:
+            raise SpecloomError("this data stores no hidden states: attach the target to recompute them")
+        B, T = tokens.shape
+        dev = t.device
+        kv = t.new_kv(T, batch=B, dtype=t.dtype)
+        pos = torch.arange(T, device=dev)[None].expand(B, T)
+        out = t(tokens.to(dev), pos, kv, capture=self.ids, num_logits=1)
+        return {c: out.hidden[c].to(torch.bfloat16) for c in self.ids}
 
     def split(self, eval_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
         idx = list(range(len(self.seqs)))
@@ -85,13 +122,18 @@ class DistillData:
         tokens = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         mask = torch.zeros(B, T, dtype=torch.bool)
-        hidden = {c: torch.zeros(B, T, self.seqs[group[0]][2][c].shape[-1], dtype=torch.bfloat16) for c in self.ids}
+        stored = self.seqs[group[0]][2] is not None
+        hidden = {c: torch.zeros(B, T, self.seqs[group[0]][2][c].shape[-1], dtype=torch.bfloat16)
+                  for c in self.ids} if stored else {}
         for r, i in enumerate(group):
             t, m, h = self.seqs[i]
             n = min(len(t), T)
             tokens[r, :n] = t[:n]
             valid[r, :n] = True
             mask[r, :n] = m[:n]
-            for c in self.ids:
-                hidden[c][r, :n] = h[c][:n]
+            if stored:
+                for c in self.ids:
+                    hidden[c][r, :n] = h[c][:n]
+        if not stored and self.ids:
+            hidden = self.recompute(tokens, valid)
         return {"tokens": tokens, "valid": valid, "loss_mask": mask, "hidden": hidden}

@@ -1,17 +1,24 @@
-"""Self-distillation data: the target answers training prompts; we store what the drafters learn from.
+"""Self-distillation data: the target answers prompts, through the batch-first step, and we store what drafters learn.
 
-`specloom data --target smollm2-135m --prompts ../shared/data/train --out data/smollm2`
+`specloom data --target smollm2-135m --prompts ../shared/data/train --magpie 20000 --out data/smollm2`
 
-* Prompts: JSONL files (a `turns` list, first turn = the user message, or a `prompt` field), or a directory of
-  them. Prompts longer than `--max-prompt-tokens` after the chat template are skipped (counted in the log).
-* Generation: batched greedy decoding with our own engine model (left padding, one KV cache per batch, a row stops
-  at an end-of-turn token; rows that stopped are not stored past their end).
-* Stored per batch in `shard_NNNNN.safetensors`: `tokens` (int32, all sequences concatenated), `offsets` (int64,
-  sequence starts, one extra at the end), `loss_mask` (uint8, 1 on the target's own answer tokens),
-  `hidden.{id}` (bf16, [tokens, H]) for the requested HF `hidden_states` ids (default: EAGLE-3's low/mid/high ids
-  and the final post-norm state, which also gives the target's logits through its head).
-* Resumable: shards are written atomically and a rerun skips the ones present (prompt order is deterministic);
-  `meta.json` records the target fingerprint, ids and settings, and a rerun with other settings is refused.
+* Conversations ("jobs"): every prompt of the JSONL files (a `turns` list, first turn = the user message, or a
+  `prompt` field; prompts longer than `--max-prompt-tokens` are skipped), plus `--magpie N` conversations whose user
+  query the target writes itself (training/magpie.py: the chat template up to a user turn, a sampled query, filtered
+  for degenerate ones and duplicates). A share `--sampled-fraction` of the answers is sampled (temperature drawn in
+  `--temperature-range`, top-p 0.95), the rest greedy; a share `--multi-turn-fraction` of conversations gets a
+  second, Magpie-written user turn and a second answer. Files under an `eval/` directory are refused: benchmark
+  prompts are never training data.
+* Generation: the serving scheduler (continuous batching over `--rows` rows of one KV store, each row with its own
+  sampling parameters and generator; a conversation's next stage is admitted as soon as a row frees up), without
+  speculation. Jobs run in a seeded order that mixes the sources, so any prefix of a run is a fair sample.
+* Stored, compactly, in `shard_NNNNN.safetensors` of ~`--shard-tokens` tokens: `tokens` (int32, conversations
+  concatenated), `offsets` (int64, starts + one extra), `loss_mask` (uint8, 1 on the target's answer tokens),
+  `job_ids` (int64). No hidden states: training recomputes them with the target (training/dataset.py), which was
+  measured faster here than reading bf16 states back (see BENCHMARKS.md) and keeps 5M+ tokens in ~50 MB.
+* Resumable: shards are written atomically; a rerun skips the jobs already stored. `meta.json` records the target
+  fingerprint and the settings; a rerun with other settings or another target is refused. `progress.json` and
+  `DATACARD.md` (sources, counts, length histogram, dedup rate, the command) are rewritten after every shard.
 """
 
 from __future__ import annotations
@@ -19,12 +26,21 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import SpecloomError
+from .magpie import ChatFrame, QueryFilter
+
+QUERY_TOKENS = 128  # at most this many tokens for a Magpie-written user query
+QUERY_TEMPERATURE, QUERY_TOP_P = 1.0, 0.98
+QUERY_ATTEMPTS = 4
+SORT_BLOCK = 256  # jobs are sorted by prompt length within blocks of this many  # a Magpie conversation whose query is dropped this many times is given up
 
 
 def eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -36,7 +52,8 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted({*eagle3_layer_ids(num_layers), num_layers}))
 
 
-def read_prompts(paths: list[str]) -> list[str]:
+def read_prompts(paths: list[str]) -> list[tuple[str, str]]:
+    """(source, user message) for every prompt of the JSONL files (or directories of them) in `paths`."""
     files: list[str] = []
     for p in paths:
         if os.path.isdir(p):
@@ -45,10 +62,14 @@ def read_prompts(paths: list[str]) -> list[str]:
             files.append(p)
         else:
             raise SpecloomError(f"{p}: no such file or directory")
-    if not files:
+    for fn in files:
+        if "eval" in os.path.normpath(os.path.abspath(fn)).split(os.sep)[:-1]:
+            raise SpecloomError(f"{fn} lies in an eval/ directory: benchmark prompts are never training data")
+    if not files and paths:
         raise SpecloomError(f"no .jsonl prompt files found in {paths}")
     prompts = []
     for fn in files:
+        source = os.path.splitext(os.path.basename(fn))[0]
         with open(fn) as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
@@ -61,73 +82,291 @@ def read_prompts(paths: list[str]) -> list[str]:
                 text = text or (row.get("prompt") if isinstance(row, dict) else None)
                 if not isinstance(text, str):
                     raise SpecloomError(f"{fn}:{n}: expected a 'turns' list or a 'prompt' string")
-                prompts.append(text)
+                prompts.append((source, text))
     return prompts
 
 
-@torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new: int, eos: frozenset[int], capture: tuple[int, ...]):
-    """Greedy batched generation with left padding. Returns per row (token ids prompt+answer, answer length,
-    {id: hidden (n, H)})."""
-    B = len(prompts)
-    P = max(len(p) for p in prompts)
-    pad = [P - len(p) for p in prompts]
-    dev = model.device
-    kv = model.new_kv(P + max_new, batch=B)  # the default KV dtype (fp32 on CPU)
-    pad_t = torch.tensor(pad, device=dev)
-    slots = torch.arange(P + max_new, device=dev)
-    valid = slots[None, :] >= pad_t[:, None]  # (B, S): real (not padding) slots
-    # Prefill row by row (the causal fast path, no padding), copied into the batch cache right-aligned.
-    hidden: dict[int, list] = {c: [] for c in capture}
-    last_logits = []
-    one = model.new_kv(P, dtype=kv.dtype)
-    for r, p in enumerate(prompts):
-        one.reset()
-        n = len(p)
-        out = model(torch.tensor([p], device=dev), torch.arange(n, device=dev)[None], one, capture=capture,
-                    num_logits=1)
-        kv.k[:, r, :, pad[r]:P] = one.k[:, 0, :, :n]
-        kv.v[:, r, :, pad[r]:P] = one.v[:, 0, :, :n]
-        kv.slot_pos[r, pad[r]:P] = torch.arange(n, device=dev)
-        for c in capture:
-            hidden[c].append(torch.nn.functional.pad(out.hidden[c][0], (0, 0, pad[r], 0)))
-        last_logits.append(out.logits[0, -1])
-    kv.lengths = [P] * kv.rows
-    hidden = {c: [torch.stack(v)] for c, v in hidden.items()}
-    positions = torch.tensor([[len(p) - 1] for p in prompts], device=dev)
-    next_tok = torch.stack(last_logits).argmax(-1)
-    gen = [next_tok]
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    lengths = torch.full((B,), max_new, dtype=torch.long)
-    eos_t = torch.tensor(sorted(eos), device=dev) if eos else torch.empty(0, dtype=torch.long, device=dev)
-    pos = positions[:, -1] + 1
-    for step in range(1, max_new + 1):
-        is_eos = torch.isin(next_tok, eos_t) & ~done
-        for r in is_eos.nonzero().flatten().tolist():
-            lengths[r] = step
-        done |= is_eos
-        if step == max_new or bool(done.all()):
-            break
-        S = kv.length + 1
-        m = valid[:, None, :S]
-        out = model(next_tok[:, None], pos[:, None], kv, attn_mask=m, capture=capture)
-        kv.commit()
-        for c in capture:
-            hidden[c].append(out.hidden[c])
-        next_tok = out.logits[:, -1].argmax(-1)
-        gen.append(next_tok)
-        pos = pos + 1
-    gen_t = torch.stack(gen, 1)  # (B, steps)
-    hid = {c: torch.cat(v, 1) for c, v in hidden.items()}  # (B, P + steps - 1, H): the last token never ran
-    rows = []
-    for r in range(B):
-        n = int(min(lengths[r], gen_t.shape[1]))
-        ids = prompts[r] + gen_t[r, :n].tolist()
-        # hidden of the last answer token is not needed (nothing follows it); store len(ids) - 1 rows + pad one
-        h = {c: v[r, pad[r]:pad[r] + len(ids) - 1] for c, v in hid.items()}
-        h = {c: torch.cat([x, x[-1:]], 0) for c, x in h.items()}
-        rows.append((ids, n, h))
-    return rows
+@dataclass
+class Job:
+    """One conversation: its source, how its answers are decoded, and what it holds so far."""
+
+    id: int
+    source: str
+    prompt: list[int] | None  # the templated first user turn; None: Magpie writes it
+    temperature: float  # 0: greedy answers
+    turns: int
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turn: int = 0
+    attempts: int = 0
+    queries: list[str] = field(default_factory=list)  # the normalised Magpie queries (dedup on resume)
+
+
+class Generator:
+    """Drives jobs through a BatchScheduler: query (Magpie) -> answer -> [query -> answer], then stored."""
+
+    def __init__(self, engine, frame: ChatFrame | None, rows: int, max_new: int, seed: int, store, kv_dtype=None):
+        from ..serving.batch import BatchScheduler
+
+        self.engine, self.frame, self.max_new, self.seed, self.store = engine, frame, max_new, seed, store
+        self.tok = engine.tokenizer
+        self.sched = BatchScheduler(engine, rows, mode="off", start=False, max_queue=1 << 30,
+                                    kv_dtype=kv_dtype)
+        self.sched.prefill_budget = 1 << 14  # nobody waits on a data run: refill freed rows at once
+        self.rows = rows
+        self.pending: list[Job] = []
+        self.inflight = 0
+        self.filter = QueryFilter()
+        self.failed = Counter()
+
+    def _submit(self, job: Job, ids: list[int], max_tokens: int, temperature: float, top_p: float, stage: str):
+        from ..sampling import SamplingParams
+        from ..serving.batch import Sequence
+
+        room = self.engine.max_model_len - len(ids)
+        if room < 8:  # no room for another stage: keep what the conversation has
+            self._finish(job)
+            return
+        seed = (self.seed * 1_000_003 + job.id * 97 + job.turn * 7 + job.attempts) % (2**63)
+        params = SamplingParams(temperature=temperature, top_p=top_p if temperature else 1.0, seed=seed)
+        seq = Sequence(ids, min(max_tokens, room), params)
+        seq.on_done = lambda s: self._done(job, stage, s)
+        self.inflight += 1
+        self.sched.submit([seq])
+
+    def _start(self, job: Job) -> None:
+        if job.prompt is not None:
+            job.ids, job.mask = list(job.prompt), [0] * len(job.prompt)
+            self._answer(job)
+        else:
+            job.ids, job.mask = list(self.frame.pre_query), [0] * len(self.frame.pre_query)
+            self._query(job)
+
+    def _query(self, job: Job) -> None:
+        self._submit(job, job.ids, QUERY_TOKENS, QUERY_TEMPERATURE, QUERY_TOP_P, "query")
+
+    def _answer(self, job: Job) -> None:
+        self._submit(job, job.ids, self.max_new, job.temperature, 0.95, "answer")
+
+    def _done(self, job: Job, stage: str, seq) -> None:
+        self.inflight -= 1
+        if seq.error is not None:
+            self.failed[type(seq.error).__name__] += 1
+            if job.turn > 0:
+                self._finish(job)
+            self._refill()
+            return
+        res = seq.result
+        out = list(res.token_ids)
+        if stage == "query":
+            ended = res.finish_reason == "stop" and bool(out) and out[-1] in self.tok.eos_token_ids
+            text = self.tok.decode(out).strip()
+            if self.filter.check(text, len(out), ended):
+                job.queries.append(self.filter.key(text))
+                new = self.frame.join(job.ids, out, self.frame.to_answer)
+                job.mask += [0] * (len(new) - len(job.mask))
+                job.ids = new
+                self._answer(job)
+            else:
+                job.attempts += 1
+                if job.attempts < QUERY_ATTEMPTS:
+                    self._query(job)
+                elif job.turn > 0:
+                    self._finish(job)  # keep the first turn
+                else:
+                    self.failed["query dropped"] += 1
+        else:
+            job.ids += out
+            job.mask += [1] * len(out)
+            job.turn += 1
+            ended = res.finish_reason == "stop"
+            if job.turn < job.turns and ended and self.frame is not None:
+                job.attempts = 0
+                new = self.frame.join(job.ids, [], self.frame.to_query)
+                job.mask += [0] * (len(new) - len(job.ids))
+                job.ids = new
+                self._query(job)
+            else:
+                self._finish(job)
+        self._refill()
+
+    def _finish(self, job: Job) -> None:
+        n = len(job.mask)
+        while n and job.mask[n - 1] == 0:  # drop a trailing template piece nothing was answered after
+            n -= 1
+        if n:
+            self.store.add(job, job.ids[:n], job.mask[:n])
+
+    def _refill(self) -> None:
+        while self.pending and self.inflight < 2 * self.rows:
+            self._start(self.pending.pop())
+        if not self.pending and self.inflight == 0:
+            self.sched.close()
+
+    def run(self, jobs: list[Job]) -> None:
+        self.pending = list(reversed(jobs))
+        self._refill()
+        if self.inflight:
+            self.sched.run()
+
+
+class ShardStore:
+    """Completed conversations, written as shards of ~`shard_tokens` tokens; progress, ETA and the data card."""
+
+    def __init__(self, out_dir: str, shard_tokens: int, total_jobs: int, card: dict):
+        self.out_dir, self.shard_tokens, self.total_jobs, self.card = out_dir, shard_tokens, total_jobs, card
+        self.buf: list[tuple[Job, list[int], list[int]]] = []
+        self.buf_tokens = 0
+        self.next_shard = 0
+        self.done_jobs: set[int] = set()
+        self.stats = {"answer_tokens": 0, "tokens": 0, "conversations": 0, "per_source": {},
+                      "answer_lengths": [], "turns": Counter()}
+        self.queries: list[str] = []
+        self.t0 = time.perf_counter()
+        self.answer_this_run = 0
+        self.gen = None  # the Generator (for the filter's counts in the card)
+        self._last_print = 0.0
+
+    def load_existing(self) -> None:
+        from safetensors import safe_open
+
+        for fn in sorted(glob.glob(os.path.join(self.out_dir, "shard_*.safetensors"))):
+            with safe_open(fn, framework="pt") as f:
+                info = json.loads((f.metadata() or {}).get("specloom", "{}"))
+                d = {k: f.get_tensor(k) for k in ("tokens", "offsets", "loss_mask", "job_ids")}
+            self.next_shard = max(self.next_shard, int(os.path.basename(fn)[6:11]) + 1)
+            off = d["offsets"].tolist()
+            for j, (a, b) in enumerate(zip(off[:-1], off[1:])):
+                self._count(info["sources"][j], info["turns"][j], d["loss_mask"][a:b].tolist(), b - a)
+            self.done_jobs.update(d["job_ids"].tolist())
+            self.queries += info.get("queries", [])
+
+    def _count(self, source: str, turns: int, mask: list[int], n: int) -> None:
+        s = self.stats
+        a = sum(mask)
+        s["answer_tokens"] += a
+        s["tokens"] += n
+        s["conversations"] += 1
+        src = s["per_source"].setdefault(source, {"conversations": 0, "answer_tokens": 0})
+        src["conversations"] += 1
+        src["answer_tokens"] += a
+        s["answer_lengths"].append(a)
+        s["turns"][str(turns)] += 1
+
+    def add(self, job: Job, ids: list[int], mask: list[int]) -> None:
+        self.buf.append((job, ids, mask))
+        self.buf_tokens += len(ids)
+        self.answer_this_run += sum(mask)
+        self._count(job.source, job.turn, mask, len(ids))
+        self.done_jobs.add(job.id)
+        if self.buf_tokens >= self.shard_tokens:
+            self.flush()
+        now = time.perf_counter()
+        if now - self._last_print >= 10.0:
+            self._last_print = now
+            self.progress()
+
+    def progress(self) -> None:
+        el = time.perf_counter() - self.t0
+        rate = self.answer_this_run / max(el, 1e-9)
+        s = self.stats
+        done = len(self.done_jobs)
+        per_job = s["answer_tokens"] / max(s["conversations"], 1)
+        eta = (self.total_jobs - done) * per_job / max(rate, 1e-9)
+        print(f"specloom data: {done}/{self.total_jobs} conversations  {s['answer_tokens'] / 1e6:.2f}M answer tokens  "
+              f"{rate:.0f} answer tok/s  {el:.0f}s  ETA {eta / 60:.0f} min", file=sys.stderr, flush=True)
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.buf:
+            return
+        toks, masks, offs, jobs = [], [], [0], []
+        info = {"sources": [], "turns": [], "queries": []}
+        for job, ids, mask in self.buf:
+            toks += ids
+            masks += mask
+            offs.append(len(toks))
+            jobs.append(job.id)
+            info["sources"].append(job.source)
+            info["turns"].append(job.turn)
+            info["queries"] += job.queries
+        self.queries += info["queries"]
+        tensors = {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offs, dtype=torch.int64),
+                   "loss_mask": torch.tensor(masks, dtype=torch.uint8), "job_ids": torch.tensor(jobs, dtype=torch.int64)}
+        path = os.path.join(self.out_dir, f"shard_{self.next_shard:05d}.safetensors")
+        save_file(tensors, path + ".tmp", metadata={"specloom": json.dumps(info)})
+        os.replace(path + ".tmp", path)
+        self.next_shard += 1
+        self.buf, self.buf_tokens = [], 0
+        self.write_card()
+
+    def write_card(self) -> None:
+        s = self.stats
+        filt = self.gen.filter if self.gen is not None else None
+        kept = filt.kept if filt else 0
+        dropped = dict(filt.dropped) if filt else {}
+        n_q = kept + sum(dropped.values())
+        dups = dropped.get("duplicate", 0) + dropped.get("near duplicate", 0)
+        lens = sorted(s["answer_lengths"])
+        edges = [0, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 1 << 30]
+        hist = [sum(1 for x in lens if lo <= x < hi) for lo, hi in zip(edges, edges[1:])]
+        el = time.perf_counter() - self.t0
+        prog = {
+            "conversations": s["conversations"], "tokens": s["tokens"], "answer_tokens": s["answer_tokens"],
+            "per_source": s["per_source"], "turns": dict(s["turns"]),
+            "answer_length_histogram": {f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+": h
+                                        for lo, hi, h in zip(edges, edges[1:], hist)},
+            "answer_length_median": lens[len(lens) // 2] if lens else 0,
+            "magpie_queries_this_run": {"sampled": n_q, "kept": kept, "dropped": dropped,
+                                        "dedup_rate": round(dups / n_q, 4) if n_q else None},
+            "failed_this_run": dict(self.gen.failed) if self.gen is not None else {},
+            "answer_tokens_per_s_this_run": round(self.answer_this_run / max(el, 1e-9), 1),
+            "seconds_this_run": round(el, 1),
+        }
+        with open(os.path.join(self.out_dir, "progress.json"), "w") as f:
+            json.dump(prog, f, indent=1)
+        c = self.card
+        lines = [f"# Self-distillation data for {c['target']}", "",
+                 f"Command: `{c['command']}`", "",
+                 f"Target fingerprint: `{json.dumps(c['fingerprint'])}`", "",
+                 f"**{s['answer_tokens']:,} answer tokens** in {s['conversations']:,} conversations "
+                 f"({s['tokens']:,} tokens with prompts and templates); median answer {prog['answer_length_median']} "
+                 f"tokens; turns {dict(s['turns'])}.", "",
+                 f"Answers: {c['sampled_fraction']:.0%} sampled (temperature {c['temperature_range'][0]}–"
+                 f"{c['temperature_range'][1]}, top-p 0.95), the rest greedy; at most {c['max_new_tokens']} tokens "
+                 f"per answer; {c['multi_turn_fraction']:.0%} of conversations asked for a second, Magpie-written "
+                 "turn.", "", "| source | conversations | answer tokens |", "|---|---:|---:|"]
+        for src, v in sorted(s["per_source"].items()):
+            lines.append(f"| {src} | {v['conversations']:,} | {v['answer_tokens']:,} |")
+        lines += ["", "Answer length histogram (tokens per conversation):", "", "| tokens | conversations |",
+                  "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in prog["answer_length_histogram"].items()]
+        if n_q:
+            lines += ["", f"Magpie queries sampled this run: {n_q}, kept {kept}; dropped {dropped}; "
+                      f"dedup rate (exact + same first 10 words) {prog['magpie_queries_this_run']['dedup_rate']:.1%}."]
+        lines += ["", f"Throughput this run: {prog['answer_tokens_per_s_this_run']} answer tokens/s over "
+                  f"{el / 60:.1f} min. Prompts under `eval/` are refused; the eval set is never trained on.", ""]
+        with open(os.path.join(self.out_dir, "DATACARD.md"), "w") as f:
+            f.write("\n".join(lines))
+
+
+def make_jobs(prompts: list[tuple[str, list[int]]], magpie: int, sampled_fraction: float, multi_turn: float,
+              temperature_range: tuple[float, float], seed: int, chat: bool) -> list[Job]:
+    """Every conversation of the run, in a seeded order that mixes the sources; ids are stable across reruns."""
+    rng = random.Random(seed)
+    specs = [(src, ids) for src, ids in prompts] + [("magpie", None)] * magpie
+    jobs = []
+    for i, (src, ids) in enumerate(specs):
+        sampled = rng.random() < sampled_fraction
+        t = round(rng.uniform(*temperature_range), 2) if sampled else 0.0
+        turns = 2 if chat and rng.random() < multi_turn else 1
+        jobs.append(Job(i, src, ids, t, turns))
+    rng.shuffle(jobs)
+    # within blocks, shortest prompt first: rows decoded together then have similar lengths, and the padded
+    # attention of a step (every row reads as many slots as the longest) wastes little
+    key = lambda j: len(j.prompt) if j.prompt is not None else 0  # noqa: E731
+    return [j for i in range(0, len(jobs), SORT_BLOCK) for j in sorted(jobs[i:i + SORT_BLOCK], key=key)]
 
 
 def build_dataset(
@@ -135,91 +374,90 @@ def build_dataset(
     prompt_paths: list[str],
     out_dir: str,
     max_new_tokens: int = 256,
-    batch_size: int = 64,
+    rows: int = 64,
     max_prompt_tokens: int = 640,
-    max_batch_tokens: int = 40960,
     limit: int | None = None,
-    capture: tuple[int, ...] | None = None,
+    magpie: int = 0,
+    sampled_fraction: float = 0.3,
+    multi_turn_fraction: float = 0.2,
+    temperature_range: tuple[float, float] = (0.7, 1.0),
+    shard_tokens: int = 200_000,
+    seed: int = 0,
     dtype: str = "bf16",
+    kv_dtype: str | None = "bf16",
     device: str | None = "cpu",
+    command: str | None = None,
 ) -> dict:
-    from ..loading import load_target
+    from ..engine import Engine
     from ..fingerprint import fingerprint
+    from ..loading import load_target
 
-    prompts = read_prompts(prompt_paths)
+    if not 0.0 <= sampled_fraction <= 1.0 or not 0.0 <= multi_turn_fraction <= 1.0:
+        raise SpecloomError("--sampled-fraction and --multi-turn-fraction must lie in [0, 1]")
+    lo, hi = temperature_range
+    if not 0.0 < lo <= hi:
+        raise SpecloomError(f"--temperature-range needs 0 < low <= high, got {lo} {hi}")
+    if not prompt_paths and not magpie:
+        raise SpecloomError("give --prompts and/or --magpie N")
+    texts = read_prompts(prompt_paths) if prompt_paths else []
     model, tok = load_target(target, dtype, device=device)
-    L = model.config.num_layers
-    capture = tuple(capture) if capture else default_capture(L)
+    chat = tok.has_chat_template
     encoded, skipped = [], 0
-    for text in prompts:
-        ids = tok.encode_chat([{"role": "user", "content": text}]) if tok.has_chat_template else tok.encode(text)
+    for src, text in texts:
+        ids = tok.encode_chat([{"role": "user", "content": text}]) if chat else tok.encode(text)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
-        encoded.append(ids)
+        encoded.append((src, ids))
     if limit:
         encoded = encoded[:limit]
-    order = sorted(range(len(encoded)), key=lambda i: (len(encoded[i]), i))  # similar lengths share a batch
-    batches: list[list[int]] = [[]]
-    for i in order:  # at most batch_size rows and ~max_batch_tokens KV slots per batch
-        if batches[-1] and (len(batches[-1]) >= batch_size
-                            or (len(batches[-1]) + 1) * (len(encoded[i]) + max_new_tokens) > max_batch_tokens):
-            batches.append([])
-        batches[-1].append(i)
-    batches = [b for b in batches if b]
-    H = model.config.hidden_size
-    avg_prompt = sum(len(e) for e in encoded) / max(len(encoded), 1)
-    est_tokens = len(encoded) * (avg_prompt + max_new_tokens)
-    est_bytes = est_tokens * (len(capture) * H * 2 + 5)
-    meta = {
-        "target": target, "fingerprint": fingerprint(model, tok), "capture": list(capture), "hidden_size": H,
-        "max_new_tokens": max_new_tokens, "batch_size": batch_size, "max_batch_tokens": max_batch_tokens, "max_prompt_tokens": max_prompt_tokens,
-        "num_prompts": len(encoded), "prompt_files": prompt_paths, "dtype": dtype,
-    }
+    frame = ChatFrame(tok) if (magpie or (multi_turn_fraction and chat)) and chat else None
+    if magpie and frame is None:
+        raise SpecloomError("--magpie needs a model with a chat template")
+    jobs = make_jobs(encoded, magpie, sampled_fraction, multi_turn_fraction if frame else 0.0, temperature_range,
+                     seed, frame is not None)
+    settings = {"max_new_tokens": max_new_tokens, "max_prompt_tokens": max_prompt_tokens, "magpie": magpie,
+                "num_prompts": len(encoded), "sampled_fraction": sampled_fraction,
+                "multi_turn_fraction": multi_turn_fraction, "temperature_range": list(temperature_range), "seed": seed, "kv_dtype": kv_dtype,
+                "prompt_files": list(prompt_paths), "format": 2}
+    meta = {"target": target, "fingerprint": fingerprint(model, tok), "capture": [], "hidden_size":
+            model.config.hidden_size, "dtype": dtype, **settings}
     os.makedirs(out_dir, exist_ok=True)
     meta_path = os.path.join(out_dir, "meta.json")
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             old = json.load(f)
-        keys = ("capture", "max_new_tokens", "batch_size", "max_prompt_tokens", "num_prompts",
-                "max_batch_tokens")
-        diff = [k for k in keys if old.get(k) != meta[k]]
-        if diff or old.get("fingerprint", {}).get("vocab_sha") != meta["fingerprint"]["vocab_sha"]:
-            raise SpecloomError(f"{out_dir} holds data made with other settings ({diff or 'another target'}); "
+        diff = [k for k in settings if k != "prompt_files" and old.get(k) != settings[k]]
+        if old.get("fingerprint", {}) != meta["fingerprint"]:
+            raise SpecloomError(f"{out_dir} holds data made with another target ({old.get('target')}); "
                                 "use a new --out directory")
+        if diff:
+            raise SpecloomError(f"{out_dir} holds data made with other settings "
+                                f"({', '.join(f'{k}: {old.get(k)} there, {settings[k]} now' for k in diff)}); "
+                                "use a new --out directory or the same settings")
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=1)
-    print(f"specloom data: {len(encoded)} prompts ({skipped} longer than {max_prompt_tokens} tokens skipped), "
-          f"{len(batches)} batches (<= {batch_size} rows); at most ~{est_tokens / 1e6:.2f}M tokens, "
-          f"~{est_bytes / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    from safetensors.torch import save_file
+    card = {"target": target, "fingerprint": meta["fingerprint"], "command": command or "specloom data", **settings}
+    store = ShardStore(out_dir, shard_tokens, len(jobs), card)
+    store.load_existing()
+    todo = [j for j in jobs if j.id not in store.done_jobs]
+    # the longest conversation: prompt + answers + Magpie queries + template pieces
+    turns = 2 if frame is not None and multi_turn_fraction else 1
+    longest = max([len(ids) for _, ids in encoded] + [len(frame.pre_query) if frame else 1])
+    max_len = min(longest + turns * (max_new_tokens + QUERY_TOKENS + 16) + 16, model.config.max_position)
+    engine = Engine(model, tok, None, max_model_len=max_len)
+    print(f"specloom data: {len(jobs)} conversations ({len(encoded)} prompts, {skipped} longer than "
+          f"{max_prompt_tokens} tokens skipped; {magpie} Magpie), {len(jobs) - len(todo)} stored already; "
+          f"{rows} rows of {max_len} tokens", file=sys.stderr, flush=True)
+    from ..loading import parse_dtype
 
-    t0 = time.perf_counter()
-    done_tokens = 0
-    for b, idx in enumerate(batches):
-        path = os.path.join(out_dir, f"shard_{b:05d}.safetensors")
-        if os.path.isfile(path):
-            continue
-        rows = generate_batch(model, [encoded[i] for i in idx], max_new_tokens, tok.eos_token_ids, capture)
-        toks, masks, offs = [], [], [0]
-        hid = {c: [] for c in capture}
-        for (ids, n, h), i in zip(rows, idx):
-            toks += ids
-            masks += [0] * (len(ids) - n) + [1] * n
-            offs.append(len(toks))
-            for c in capture:
-                hid[c].append(h[c])
-        tensors = {
-            "tokens": torch.tensor(toks, dtype=torch.int32),
-            "offsets": torch.tensor(offs, dtype=torch.int64),
-            "loss_mask": torch.tensor(masks, dtype=torch.uint8),
-        }
-        for c in capture:
-            tensors[f"hidden.{c}"] = torch.cat(hid[c]).to("cpu", torch.bfloat16).contiguous()
-        save_file(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        done_tokens += len(toks)
-        el = time.perf_counter() - t0
-        print(f"specloom data: batch {b + 1}/{len(batches)}  {done_tokens} tokens this run  "
-              f"{done_tokens / el:.0f} tok/s  {el:.0f}s", file=sys.stderr, flush=True)
+    gen = Generator(engine, frame, rows, max_new_tokens, seed, store,
+                    kv_dtype=None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype))
+    store.gen = gen
+    for q in store.queries:  # duplicates of queries stored by an earlier run are dropped too
+        gen.filter.remember(q)
+    gen.run(todo)
+    store.flush()
+    store.write_card()
+    store.progress()
     return meta

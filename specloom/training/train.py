@@ -66,6 +66,7 @@ def run_training(args) -> dict:
     L = target.config.num_layers
     ids = tuple(sorted({*TRAINERS[args.kind].data_ids(L), L}))
     data = DistillData(args.data, ids, max_tokens=args.max_data_tokens)
+    data.attach(target)
     fp = data.meta.get("fingerprint", {})
     from ..fingerprint import compare, fingerprint
 
