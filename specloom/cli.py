@@ -218,6 +218,7 @@ def _generate(args) -> int:
             d["plain"] = {k: v for k, v in base.to_dict().items() if k not in ("logprobs", "prompt_token_ids")}
             d["speedup"] = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
             d["identical_to_plain"] = result.token_ids == base.token_ids
+            d["first_difference"], d["top2_margin_at_divergence"] = _divergence(engine, result, base)
         print(json.dumps(d))
         return 0
     print(result.text)
@@ -234,12 +235,29 @@ def _generate(args) -> int:
           f"{spec}, finish: {result.finish_reason}]", file=err)
     if base is not None:
         ratio = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
-        same = "identical output" if base.token_ids == result.token_ids else "outputs differ"
+        same = "identical output"
+        if base.token_ids != result.token_ids:
+            j, margin = _divergence(engine, result, base)
+            same = (f"outputs part at token {j}" + (f", a near-tie of the target's top-2 logits (margin {margin:.3f}): "
+                                                    "bf16 rounds a multi-token pass differently; fp32 is exact"
+                                                    if margin is not None else ""))
         print(f"[plain decoding, same prompt, same run: {_speed(base)}]\n"
               f"[speed-up {ratio:.2f}x ({result.decode_tokens_per_second:.1f} vs {base.decode_tokens_per_second:.1f} "
               f"tokens/s, prefill excluded), tau {result.mean_accepted_length:.2f}, {same}]", file=err)
     print(f"[{host_line(host)}; {choice.describe() if choice is not None else 'linear kernel: default'}]", file=err)
     return 0
+
+
+def _divergence(engine, result, base) -> tuple[int | None, float | None]:
+    """Where a speculative output first differs from plain decoding's, and the target's top-2 logit margin there."""
+    from .bench.harness import divergence_margin
+
+    a, b = base.token_ids, result.token_ids
+    if a == b:
+        return None, None
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    margin = divergence_margin(engine, list(result.prompt_token_ids), a, b) if j < min(len(a), len(b)) else None
+    return j, margin
 
 
 def _ratio(a: float, b: float) -> float:

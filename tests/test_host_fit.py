@@ -191,6 +191,19 @@ def test_depth_from_the_host_curve_for_both_host_kinds():
     assert DepthPolicy("fixed", 6).choose([0.0], [3]) == [3] and DepthPolicy("off", 6).choose([1.0], [6]) == [0]
 
 
+def test_one_row_curve_is_measured_interleaved_and_monotone(tiny):
+    from specloom.serving.load_aware import measure_batch_cost, monotone
+
+    noisy = {(1, 1): 1.0, (1, 2): 1.3, (1, 3): 0.7, (1, 5): 1.2, (2, 1): 0.9, (2, 2): 1.0, (2, 3): 2.0, (2, 5): 1.9}
+    m = monotone(noisy)
+    assert [m[(1, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 1.3, 1.3]
+    assert [m[(2, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 2.0, 2.0]
+    cost = measure_batch_cost(tiny("llama").model, 1, context=16, repeats=2)
+    assert cost.rows == [1] and cost.tokens == list(TOKENS)
+    assert all(cost(1, a) <= cost(1, b) for a, b in zip(TOKENS, TOKENS[1:])) and cost(1, 1) == 1.0
+    assert cost(1, 33) >= cost(1, 17) and cost(2, 5) == pytest.approx(2 * cost(1, 5))  # one-row curve: linear in n
+
+
 def test_prior_from_the_drafters_measured_tau():
     for k in (1, 4, 6):
         for a in (0.1, 0.4, 0.8):
@@ -296,4 +309,4 @@ def test_generate_compare_plain(tiny, capsys):
     d = json.loads(out)
     assert d["identical_to_plain"] and d["plain"]["token_ids"] == d["token_ids"] and len(d["token_ids"]) == 24
     assert d["speedup"] > 0 and d["decode_tokens_per_second"] > 0 and d["host"]["threads"] >= 1
-    assert d["speculation"]["mode"] == "auto"
+    assert d["speculation"]["mode"] == "auto" and d["first_difference"] is None
