@@ -81,27 +81,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help='several drafters vs plain in one run: \'{"name": {speculative config}, ...}\'')
     b.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the full report here")
 
-    d = sub.add_parser("data", help="self-distillation data: the target answers prompts; store ids and hidden states")
+    d = sub.add_parser("data", help="self-distillation data: the target answers prompts (and its own Magpie "
+                       "queries) through the batch step; store token ids and loss masks")
     d.add_argument("--target", required=True, help="target model (alias, .gguf or HF directory)")
     d.add_argument("--prompts", nargs="*", default=[], help="JSONL files or directories of them (never eval/)")
     d.add_argument("--magpie", type=int, default=0, metavar="N",
                    help="also N conversations whose user query the target writes itself (Magpie)")
     d.add_argument("--out", required=True, help="output directory (rerun to resume)")
-    d.add_argument("--max-new-tokens", type=_positive_int, default=160)
-    d.add_argument("--batch-size", type=_positive_int, default=64)
+    d.add_argument("--max-new-tokens", type=_positive_int, default=256, help="per answer")
+    d.add_argument("--rows", "--batch-size", dest="rows", type=_positive_int, default=64,
+                   help="rows decoded together (continuous batching)")
     d.add_argument("--max-prompt-tokens", type=_positive_int, default=640, help="skip longer prompts")
     d.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
-    d.add_argument("--layers", default=None,
-                   help="HF hidden_states ids to store, comma-separated (default: EAGLE-3 low/mid/high + final)")
+    d.add_argument("--sampled-fraction", type=float, default=0.3, help="share of answers sampled (rest greedy)")
+    d.add_argument("--temperature-range", type=float, nargs=2, default=(0.7, 1.0), metavar=("LOW", "HIGH"))
+    d.add_argument("--multi-turn-fraction", type=float, default=0.2,
+                   help="share of conversations with a second, Magpie-written user turn")
+    d.add_argument("--shard-tokens", type=_positive_int, default=200_000)
+    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    d.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp32", "auto"],
+                   help="KV store of the generator (default bf16: batched decode reads the KV of every row each step)")
     _device(d)
 
     t = sub.add_parser("train", help="train a drafter on `specloom data` output")
     t.add_argument("kind", help="medusa | eagle | eagle3 | draft_model | mtp | dflash | dspark | target (a new small "
                    "model trained from scratch jointly with --mtp N MTP layers; --target names its tokenizer)")
     t.add_argument("--target", required=True, help="the target model the data was made with")
-    d.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp32", "auto"],
-                   help="KV store of the generator (default bf16: batched decode reads the KV of every row each step)")
     t.add_argument("--data", required=True, nargs="+", help="directories written by `specloom data`")
     t.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
     t.add_argument("--init-from", default=None, help="start from this drafter checkpoint")
@@ -141,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
             add(t)
     t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
     t.add_argument("--eval-fraction", type=float, default=0.02)
+    t.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="held-out evaluation every N steps (the learning curve in evals.json and the manifest)")
     t.add_argument("--save-every", type=_positive_int, default=100)
     t.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32 (default: bf16 autocast)")
     _device(t)
@@ -296,6 +304,8 @@ def _bench(args) -> int:
 
 
 def _data(args) -> int:
+    import sys
+
     from .training.selfdistill import build_dataset
 
     build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens, rows=args.rows,

@@ -68,20 +68,6 @@ def test_train_loss_decreases_and_checkpoint_drafts(dataset, kind, extra):
         assert a.token_ids == b.token_ids
 
 
-def test_data_is_resumable_and_refuses_other_settings(dataset, capsys):
-    t, data, root = dataset
-    shards = sorted(f for f in os.listdir(data) if f.startswith("shard_"))
-    os.remove(os.path.join(data, shards[-1]))
-    prompts = str(root / "prompts.jsonl")
-    assert main(["data", "--target", t.path, "--prompts", prompts, "--out", data, "--max-new-tokens", "12",
-                 "--batch-size", "16", "--dtype", "fp32"]) == 0
-    assert sorted(f for f in os.listdir(data) if f.startswith("shard_")) == shards
-    err = capsys.readouterr().err
-    assert f"batch {len(shards)}/{len(shards)}" in err and "batch 1/" not in err  # only the missing one ran
-    assert main(["data", "--target", t.path, "--prompts", prompts, "--out", data, "--max-new-tokens", "5"]) == 2
-    assert "other settings" in capsys.readouterr().err
-
-
 def test_training_resumes(dataset):
     t, data, root = dataset
     out = str(root / "resume")

@@ -6,7 +6,7 @@
   `prompt` field; prompts longer than `--max-prompt-tokens` are skipped), plus `--magpie N` conversations whose user
   query the target writes itself (training/magpie.py: the chat template up to a user turn, a sampled query, filtered
   for degenerate ones and duplicates). A share `--sampled-fraction` of the answers is sampled (temperature drawn in
-  `--temperature-range`, top-p 0.95), the rest greedy; a share `--multi-turn-fraction` of conversations gets a
+  `--temperature-range`, no top-p), the rest greedy; a share `--multi-turn-fraction` of conversations gets a
   second, Magpie-written user turn and a second answer. Files under an `eval/` directory are refused: benchmark
   prompts are never training data.
 * Generation: the serving scheduler (continuous batching over `--rows` rows of one KV store, each row with its own
@@ -38,8 +38,9 @@ from ..errors import SpecloomError
 from .magpie import ChatFrame, QueryFilter
 
 QUERY_TOKENS = 128  # at most this many tokens for a Magpie-written user query
-QUERY_TEMPERATURE, QUERY_TOP_P = 1.0, 0.98
+QUERY_TEMPERATURE, QUERY_TOP_P = 1.0, 1.0  # Magpie: the raw distribution
 QUERY_ATTEMPTS = 4
+ANSWER_TOP_P = 1.0  # sampled answers: temperature only (top-p sorts the vocabulary of every row at every step)
 SORT_BLOCK = 256  # jobs are sorted by prompt length within blocks of this many  # a Magpie conversation whose query is dropped this many times is given up
 
 
@@ -146,7 +147,7 @@ class Generator:
         self._submit(job, job.ids, QUERY_TOKENS, QUERY_TEMPERATURE, QUERY_TOP_P, "query")
 
     def _answer(self, job: Job) -> None:
-        self._submit(job, job.ids, self.max_new, job.temperature, 0.95, "answer")
+        self._submit(job, job.ids, self.max_new, job.temperature, ANSWER_TOP_P, "answer")
 
     def _done(self, job: Job, stage: str, seq) -> None:
         self.inflight -= 1
@@ -334,7 +335,7 @@ class ShardStore:
                  f"({s['tokens']:,} tokens with prompts and templates); median answer {prog['answer_length_median']} "
                  f"tokens; turns {dict(s['turns'])}.", "",
                  f"Answers: {c['sampled_fraction']:.0%} sampled (temperature {c['temperature_range'][0]}–"
-                 f"{c['temperature_range'][1]}, top-p 0.95), the rest greedy; at most {c['max_new_tokens']} tokens "
+                 f"{c['temperature_range'][1]}, no top-p), the rest greedy; at most {c['max_new_tokens']} tokens "
                  f"per answer; {c['multi_turn_fraction']:.0%} of conversations asked for a second, Magpie-written "
                  "turn.", "", "| source | conversations | answer tokens |", "|---|---:|---:|"]
         for src, v in sorted(s["per_source"].items()):

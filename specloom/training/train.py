@@ -24,6 +24,13 @@ from ..errors import SpecloomError
 from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
 
 
+# a resumed run must match these (a different recipe in the same --out would mix two runs; --steps and --epochs
+# may grow: that extends the run)
+RESUME_KEYS = ("kind", "lr", "tokens_per_batch", "ttt_steps", "draft_vocab", "loss_fraction",
+               "seed", "warm_start_layer", "draft_vocab_coverage", "max_data_tokens", "medusa_heads", "block_size",
+               "draft_layers")
+
+
 def load_trainers() -> dict:
     """Import every drafter kind's trainer modules (named by the kind's record), which register themselves."""
     from ..drafters import KINDS
@@ -88,12 +95,19 @@ def run_training(args) -> dict:
     state_path = os.path.join(args.out, "train_state.pt")
     batches_per_epoch = len(data.groups(train_idx, args.tokens_per_batch, 0))
     total = args.steps or batches_per_epoch * args.epochs
-    step, history = 0, []
+    step, history, evals, seen = 0, [], [], 0
+    settings = {k: getattr(args, k, None) for k in RESUME_KEYS}
     if os.path.isfile(state_path):
         st = torch.load(state_path, map_location="cpu", weights_only=False)
+        old = st.get("settings")
+        if old is not None and old != settings:
+            diff = ", ".join(f"{k}: {old.get(k)} there, {settings[k]} now" for k in settings if old.get(k) != settings[k])
+            raise SpecloomError(f"{args.out} holds a training run with other settings ({diff}); use a new --out "
+                                "or the same settings to resume")
         tr.model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, history = st["step"], st["history"]
+        evals, seen = st.get("evals", []), st.get("seen", 0)
         tr.gen.set_state(st["gen"])
         print(f"specloom train: resuming at step {step}/{total}", file=sys.stderr, flush=True)
     if hasattr(tr, "used"):  # a resumed / initialised EAGLE-3 keeps its own draft vocabulary
@@ -118,18 +132,28 @@ def run_training(args) -> dict:
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             step += 1
-            history.append({"step": step, "loss": float(loss), **metrics})
+            seen += int(batch["loss_mask"].sum())
+            history.append({"step": step, "loss": float(loss), "answer_tokens_seen": seen, **metrics})
+            if args.eval_every and step % args.eval_every == 0 and step < total:
+                tr.model.eval()
+                ev = evaluate(tr, data, eval_idx, args, max_batches=4)
+                tr.model.train()
+                evals.append({"step": step, "answer_tokens_seen": seen, **ev})
+                print(f"\nspecloom train {args.kind}: step {step}, {seen / 1e6:.2f}M answer tokens seen, held-out "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), file=sys.stderr, flush=True)
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
             if step % args.save_every == 0 or step == total:
                 torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "history": history, "gen": tr.gen.get_state()}, state_path + ".tmp")
+                            "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
+                            "settings": settings}, state_path + ".tmp")
                 os.replace(state_path + ".tmp", state_path)
         epoch += 1
     bar.close()
     wall = time.perf_counter() - t0
     tr.model.eval()
     ev = evaluate(tr, data, eval_idx, args)
+    evals.append({"step": step, "answer_tokens_seen": seen, **ev})
     print(f"specloom train {args.kind}: held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()),
           file=sys.stderr, flush=True)
     meta = specloom_meta(args.kind, target, tokenizer, tr.feature_ids, manifest={
@@ -138,13 +162,16 @@ def run_training(args) -> dict:
         "data_meta": [{k: m.get(k) for k in ("target", "num_prompts", "max_new_tokens", "prompt_files")}
                       for m in data.metas],
         "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": args.ttt_steps,
-        "train_seconds_this_run": round(wall, 1), "held_out": ev,
+        "train_seconds_this_run": round(wall, 1), "held_out": ev, "answer_tokens_seen": seen,
+        "learning_curve": evals,
     })
     meta.update(tr.extra_meta(data, eval_idx))
     tr.save(args.out, meta)
     _plot_losses(history, os.path.join(args.out, "loss.png"), args.kind)
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(history, f)
+    with open(os.path.join(args.out, "evals.json"), "w") as f:
+        json.dump(evals, f, indent=1)
     return {"held_out": ev, "steps": step}
 
 

@@ -11,6 +11,58 @@ import torch.nn.functional as F
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, trainer
 
 
+def draft_vocab_size(counts: torch.Tensor, cap: int, coverage: float | None) -> int:
+    """The draft vocabulary: `cap` tokens, or with `coverage`, the fewest most frequent tokens (a multiple of 256,
+    at most `cap`) that cover that share of the answer tokens."""
+    if coverage is None:
+        return cap
+    if not 0.0 < coverage <= 1.0:
+        from ...errors import SpecloomError
+
+        raise SpecloomError(f"--draft-vocab-coverage must lie in (0, 1], got {coverage}")
+    c = counts.sort(descending=True).values.cumsum(0).double()
+    need = int((c < coverage * c[-1]).sum()) + 1
+    return max(256, min(cap, -(-need // 256) * 256))
+
+
+def warm_start(model, target, layer: int) -> None:
+    """Start the EAGLE-3 layer from target layer `layer` (negative: from the end): attention (its input
+    projections on the hidden half of [embedding; hidden]), MLP and norms copied, and `fc` picking the last
+    feature (the target's high layer); the embedding half of the projections stays at its small random init."""
+    from ...errors import SpecloomError
+
+    L = len(target.layers)
+    if not -L <= layer < L:
+        raise SpecloomError(f"--warm-start-layer must lie in [-{L}, {L - 1}] for this {L}-layer target, got {layer}")
+    src = target.layers[layer]
+    dst = model.layers[0]
+    H = model.config.hidden_size
+    att = dst.self_attn
+    q, k, v = src.self_attn.qkv_proj.weight.float().split(
+        [att.q_proj.out_features, att.k_proj.out_features, att.v_proj.out_features], 0)
+    with torch.no_grad():
+        for lin, w in ((att.q_proj, q), (att.k_proj, k), (att.v_proj, v)):
+            lin.weight[:, H:] = w
+        att.o_proj.weight.copy_(src.self_attn.o_proj.weight.float())
+        g, u = src.mlp.gate_up_proj.weight.float().split(dst.mlp.gate_proj.out_features, 0)
+        dst.mlp.gate_proj.weight.copy_(g)
+        dst.mlp.up_proj.weight.copy_(u)
+        dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight.float())
+        dst.hidden_norm.weight.copy_(src.input_layernorm.weight.float())
+        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
+        fc = model.fc.weight  # (H, n_features * H): identity on the last feature block
+        fc.zero_()
+        fc[:, -H:] = torch.eye(H)
+
+
+def add_arguments(t) -> None:
+    t.add_argument("--warm-start-layer", type=int, default=None,
+                   help="eagle3: start the draft layer from this target layer (e.g. -1: the last)")
+    t.add_argument("--draft-vocab-coverage", type=float, default=None,
+                   help="eagle3: choose the draft vocabulary as the fewest tokens covering this share of the "
+                        "answer tokens (at most --draft-vocab)")
+
+
 @trainer("eagle3")
 class Eagle3Trainer(_Base):
     @classmethod
@@ -25,14 +77,18 @@ class Eagle3Trainer(_Base):
         from ...training.selfdistill import eagle3_layer_ids
 
         self.feature_ids = eagle3_layer_ids(self.L)
-        vd = min(args.draft_vocab, target.config.vocab_size)
         counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
-        for t, _, _ in data.seqs:
-            counts += torch.bincount(t, minlength=counts.numel())
+        for t, m, _ in data.seqs:  # the tokens the drafter must predict: the target's answers
+            counts += torch.bincount(t[m], minlength=counts.numel())
+        vd = draft_vocab_size(counts, min(args.draft_vocab, target.config.vocab_size),
+                              getattr(args, "draft_vocab_coverage", None))
         used = counts.topk(vd).indices.sort().values
         cfg = eagle_config_for(target.config, True, self.feature_ids, vd)
         self.model = EagleDraftModel(cfg)
         init_weights(self.model, args.seed)
+        layer = getattr(args, "warm_start_layer", None)
+        if layer is not None:
+            warm_start(self.model, target, layer)
         self.model.d2t.copy_(used - torch.arange(vd))
         self.model.t2d.zero_()
         self.model.t2d[used] = True
@@ -41,8 +97,9 @@ class Eagle3Trainer(_Base):
             self.model.lm_head.weight.copy_(self.head_w[used].float())
             self.model.norm.weight.copy_(target.norm.weight.float())
         self.model.attach_target(target)
-        coverage = float(counts[used].sum()) / float(counts.sum())
-        print(f"specloom train: draft vocabulary {vd} tokens covers {coverage:.1%} of the data's tokens",
+        coverage = float(counts[used].sum()) / float(counts.sum().clamp(min=1))
+        self.coverage = coverage
+        print(f"specloom train: draft vocabulary {vd} tokens covers {coverage:.1%} of the answer tokens",
               file=sys.stderr)
 
     def loss(self, batch):
@@ -67,7 +124,9 @@ class Eagle3Trainer(_Base):
     def save(self, path, meta):
         from ..checkpoint import save_drafter
 
-        save_drafter("eagle3", self.model, path, {**meta, "draft_vocab_size": int(self.used.numel())},
+        save_drafter("eagle3", self.model, path, {**meta, "draft_vocab_size": int(self.used.numel()),
+                                                   "draft_vocab_coverage": round(getattr(self, "coverage", 0.0), 4),
+                                                   "warm_start_layer": getattr(self.args, "warm_start_layer", None)},
                      verifier=self.args.target)
 
 
