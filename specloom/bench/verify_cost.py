@@ -7,6 +7,7 @@ Speculation pays when tau(n) / (v(n) + drafting cost) > 1; tree size and depth a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -67,11 +68,26 @@ def host_tag(model) -> str:
     return f"-h{host_key()}-{choice.tag if choice is not None else 'default'}"
 
 
+def model_cache_key(model) -> str | None:
+    """A cache key for the model's file (GGUF) or HF directory (its config.json and weight files); None for a
+    model built in memory."""
+    src = getattr(model, "source", None)
+    if src is None:
+        return None
+    if os.path.isfile(src.path):
+        return file_cache_key(src.path)
+    if os.path.isdir(src.path):
+        files = sorted(f for f in os.listdir(src.path) if f == "config.json" or f.endswith((".safetensors", ".bin")))
+        if "config.json" in files:
+            keys = "".join(file_cache_key(os.path.join(src.path, f)) for f in files)
+            return hashlib.sha1(keys.encode()).hexdigest()[:16]
+    return None
+
+
 def verify_cost_curve(model, refresh: bool = False) -> dict[int, float]:
     """v(n) = t(n) / t(1), cached in ~/.cache/specloom/verify_cost/ per model file, dtype, host (CPU, threads,
     torch) and linear kernel."""
-    src = getattr(model, "source", None)
-    key = file_cache_key(src.path) if src is not None and os.path.isfile(src.path) else None
+    key = model_cache_key(model)
     path = None
     if key:
         dt = str(model.dtype).replace("torch.", "")

@@ -183,13 +183,13 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
 def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> BatchCost:
     """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads, rows, host
     (CPU, flags, torch) and linear kernel."""
-    from ..bench.verify_cost import device_tag, host_tag
-    from ..tokenizer import cache_dir, file_cache_key
+    from ..bench.verify_cost import device_tag, host_tag, model_cache_key
+    from ..tokenizer import cache_dir
 
-    src = getattr(model, "source", None)
+    key = model_cache_key(model)
     path = None
-    if src is not None and os.path.isfile(src.path):
-        name = (f"batch-{file_cache_key(src.path)}-{str(model.dtype).replace('torch.', '')}"
+    if key:
+        name = (f"batch-{key}-{str(model.dtype).replace('torch.', '')}"
                 f"-t{torch.get_num_threads()}-r{max_rows}{host_tag(model)}{device_tag(model.device)}.json")
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
