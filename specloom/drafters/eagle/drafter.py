@@ -12,6 +12,13 @@ children by cumulative log-probability at each depth, feeds only those `w` front
 `num_draft_tokens` of all scored candidates (scores fall along a path, so parents are always kept). Tree rows
 written to the drafter KV are dropped at the next step; only committed positions stay.
 
+Cost (issue 13): all rows of a step draft together, one drafter pass per depth; candidates, frontiers, ancestor
+masks and the rerank are tensor ops over (rows, candidates), read back once per step. On the CPU the expansion
+stops as soon as no deeper candidate could make any row's tree (a child never scores above its parent), so the
+trees are the full expansion's with fewer passes. q/k/v and gate/up run as one matmul each (model.py), and the
+EAGLE-3 head covers the draft vocabulary only (`d2t`). The tree shape itself is chosen from measurements
+(shape.py).
+
 Tree candidates are chosen deterministically, so the tree carries no q: the verifier checks them as one-hot
 drafts (= sampling y ~ p and matching candidates in order), which is exact under sampling too.
 """
@@ -27,6 +34,28 @@ from ..rows import Span, chains, draw, fitting_groups, own_store
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
 
+class Candidates:
+    """One step's EAGLE-2 candidates for every row: (B, N) target tokens, cumulative log-prob scores and parent
+    candidates (-1 = the root); `sizes[j]` candidates at depth `depths[j]` (ids grow with depth), `frontiers[j]`
+    the (B, w) ids expanded from depth `depths[j]`, `passes` the drafter passes run after the catch-up."""
+
+    __slots__ = ("tokens", "scores", "parents", "sizes", "depths", "frontiers", "passes")
+
+    def __init__(self, tokens, scores, parents, sizes, depths, frontiers, passes):
+        self.tokens, self.scores, self.parents = tokens, scores, parents
+        self.sizes, self.depths, self.frontiers, self.passes = sizes, depths, frontiers, passes
+
+    def depth_of(self) -> torch.Tensor:
+        return torch.cat([torch.full((n,), d, device=self.tokens.device) for n, d in zip(self.sizes, self.depths)])
+
+    def valid(self, ks: list[int]) -> torch.Tensor:
+        """(B, N): candidate no deeper than its row's k."""
+        return self.depth_of()[None] <= torch.tensor(ks, device=self.tokens.device)[:, None]
+
+    def n_keep(self, ks: list[int], budgets: list[int]) -> list[int]:
+        return [min(b, sum(n for n, d in zip(self.sizes, self.depths) if d <= k)) for b, k in zip(budgets, ks)]
+
+
 class _State:
     """Per row: target features of committed positions not yet fed to the drafter; the drafter rows committed
     before this step's tree rows (per store)."""
@@ -40,6 +69,9 @@ class _State:
 
 class EagleDrafter(Drafter):
     eagle3 = False
+    # Stop expanding a tree once no deeper candidate can enter it (the same trees, fewer passes). It costs one
+    # host read per depth: free on the CPU, a stall of the queue on CUDA. None: on the CPU only.
+    early_stop: bool | None = None
 
     def __init__(self, model, depth: int, width: int, num_nodes: int | None):
         self.model = model
@@ -47,6 +79,7 @@ class EagleDrafter(Drafter):
         self.width = width
         self.num_nodes = num_nodes or depth * width
         self.needs_hidden = tuple(model.config.feature_ids)
+        model.stack_projections()  # q/k/v and gate/up as one matmul each while drafting
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -207,26 +240,44 @@ class EagleDrafter(Drafter):
         return chains(ctxs, drafts, qs)
 
     def _tree(self, ctxs, h_star: torch.Tensor, span) -> list[DraftTree]:
-        """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass."""
-        m, w = self.model, self.width
+        """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass,
+        then every row keeps its best candidates (`_expand`, `_select`)."""
+        ks = [c.k for c in ctxs]
+        budgets = [self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes) for c in ctxs]
+        stop = self.early_stop if self.early_stop is not None else h_star.device.type == "cpu"
+        cand = self._expand(ctxs, h_star, span, self.width, ks, budgets if stop else None)
+        return self._select(ctxs, cand.tokens, cand.scores, cand.parents, cand.valid(ks), cand.n_keep(ks, budgets))
+
+    def _expand(self, ctxs, h_star: torch.Tensor, span, w: int, ks: list[int], budgets: list[int] | None):
+        """The EAGLE-2 candidates of every row, to depth max(ks): depth 1 = the top-w children of the root
+        (scored by h*), then per depth one drafter pass over each row's w frontier nodes (the best w candidates
+        of the previous depth), whose top-w children each are the next depth's candidates. Everything is a
+        (B, ...) tensor: no Python per node. With `budgets` (the rows' node budgets) the expansion stops once no
+        deeper candidate can enter any row's tree (`_settled`: the same trees, fewer passes; one host read per
+        depth)."""
+        m = self.model
         B, dev = len(ctxs), h_star.device
-        K = max(c.k for c in ctxs)
+        K = max(ks)
+        k_of = torch.tensor(ks, device=dev)
+        budget = None if budgets is None else torch.tensor(budgets, device=dev)
         lp = torch.log_softmax(self._logits(h_star, 0), -1)  # (B, V_d)
         top = lp.topk(w, -1)
-        # candidates per row: target token, cumulative log-prob score, parent candidate (-1 = root), depth
         toks, scores = [m.to_target_ids(top.indices)], [top.values]
         parents, depths = [torch.full((B, w), -1, device=dev)], [1]
         frontier = torch.arange(w, device=dev).expand(B, w)  # candidate ids of the frontier
+        frontiers = [frontier]
         frontier_h = h_star[:, None].expand(B, w, h_star.shape[-1])
         anc = torch.zeros(B, w, 0, dtype=torch.bool, device=dev)  # frontier ancestors among this step's tree rows
         eye = torch.eye(w, dtype=torch.bool, device=dev).expand(B, w, w)
         layers = []  # the store of each depth's rows
         for depth in range(1, K):
+            all_tok, all_score = torch.cat(toks, 1), torch.cat(scores, 1)
+            if budget is not None and self._settled(all_score, frontier, k_of, budget, max(budgets), depth):
+                break  # no deeper candidate could enter any row's tree: the remaining passes change nothing
             layer = self._layer(depth)
             same = [j for j, lay in enumerate(layers) if lay == layer]  # earlier depths cached in the same store
             cols = anc.view(B, w, len(layers), w)[:, :, same].reshape(B, w, len(same) * w)
             layers.append(layer)
-            all_tok, all_score = torch.cat(toks, 1), torch.cat(scores, 1)
             out = self._rows(frontier_h, all_tok.gather(1, frontier), depth, ctxs, span,
                              torch.cat([cols, eye], -1))  # (B, w, H)
             lp = torch.log_softmax(self._logits(out.reshape(B * w, -1), depth), -1).view(B, w, -1)
@@ -245,19 +296,40 @@ class EagleDrafter(Drafter):
                              torch.nn.functional.one_hot(par, w).bool()], -1)
             frontier_h = out.gather(1, par[..., None].expand(B, w, out.shape[-1]))
             frontier = first_new + sel
-        depth_of = [d for i, d in enumerate(depths) for _ in range(toks[i].shape[1])]
-        tok_l, score_l, par_l = (torch.cat(x, 1).tolist() for x in (toks, scores, parents))
-        trees = []
-        for b, c in enumerate(ctxs):
-            # rerank: the best num_nodes candidates (ties: lower id = the parent first), kept in id order
-            budget = self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes)
-            ids = [i for i in range(len(depth_of)) if depth_of[i] <= c.k]
-            keep = sorted(sorted(ids, key=lambda i: (-score_l[b][i], i))[:budget])
-            node_of = {i: j + 1 for j, i in enumerate(keep)}
-            tokens = [c.tokens[-1]] + [tok_l[b][i] for i in keep]
-            parent = [-1] + [0 if par_l[b][i] < 0 else node_of[par_l[b][i]] for i in keep]
-            trees.append(DraftTree(tokens, parent))
-        return trees
+            frontiers.append(frontier)
+        return Candidates(torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1),
+                          [t.shape[1] for t in toks], depths, frontiers, len(layers))
+
+    @staticmethod
+    def _settled(scores, frontier, k_of, budget, bmax: int, depth: int) -> bool:
+        """Whether expanding the frontier (depth `depth` -> `depth + 1`) could change no row's tree. A child's
+        score is its parent's plus a log-probability <= 0, so no descendant of a frontier node f scores above
+        f; it ties f at best and then ranks after it (ids grow with depth). If, in every row that may go
+        deeper, `budget` candidates already score >= every frontier node, no descendant can make the rerank."""
+        if scores.shape[1] < bmax:
+            return False
+        kth = scores.topk(bmax, -1).values.gather(1, (budget - 1)[:, None])[:, 0]  # each row's budget-th best
+        best = scores.gather(1, frontier).max(-1).values
+        return not bool(((k_of > depth) & (best > kth)).any())
+
+    @staticmethod
+    def _select(ctxs, toks, scores, parents, valid, n_keep: list[int]) -> list[DraftTree]:
+        """The rerank, for all rows at once. toks, scores, parents, valid: (B, N) candidates (valid: not deeper
+        than the row's k); row b keeps its best n_keep[b] valid candidates (ties: the lower id, which is the
+        parent first), in id order, with kept parents renumbered as tree nodes (node 0 = the root). Scores fall
+        along a path, so a kept candidate's parent is kept. One host read for all rows."""
+        B, N = scores.shape
+        dev = scores.device
+        ids = torch.arange(N, device=dev)
+        order = scores.masked_fill(~valid, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+        rank_kept = ids[None] < torch.tensor(n_keep, device=dev)[:, None]  # (B, N): rank r is kept
+        keep = torch.zeros(B, N, dtype=torch.bool, device=dev).scatter_(1, order, rank_kept)
+        node = keep.cumsum(-1)  # the tree node of each kept candidate: its 1-based rank in id order
+        pnode = torch.where(parents < 0, 0, node.gather(1, parents.clamp(min=0)))
+        kept = torch.where(keep, ids, N + ids).topk(max(n_keep), -1, largest=False).indices  # kept ids, ascending
+        tok_l, par_l = torch.stack([toks.gather(1, kept), pnode.gather(1, kept)]).tolist()
+        return [DraftTree([c.tokens[-1], *tok_l[b][:n]], [-1, *par_l[b][:n]])
+                for b, (c, n) in enumerate(zip(ctxs, n_keep))]
 
 
 @register("eagle", TREE_KEYS, ("specloom.drafters.eagle.trainer",))

@@ -69,6 +69,27 @@ class EagleConfig(DraftConfigDict):
 
 
 
+def stacked_kernel(linears) -> nn.Module:
+    """Inference only: one kernel for bias-free linears that read the same input, their weights stacked by rows
+    (a copy; each output is the same dot product as in its own linear). Kept out of the module tree (state dicts
+    and training see only the separate linears); used under inference mode only (`_stacked`)."""
+    from ...loading.formats import dense_kernel
+
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    stacked = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+    stacked.weight = nn.Parameter(w, requires_grad=False)
+    kernel = dense_kernel(stacked)
+    if kernel is not stacked and torch.is_tensor(getattr(kernel, "packed", None)):
+        kernel.weight = None  # a packed kernel reads only its packed copy
+    return kernel
+
+
+def _stacked(module: nn.Module, name: str):
+    """The stacked kernel `name` of `module` when one was made and this is an inference-mode pass, else None."""
+    k = module.__dict__.get(name)
+    return k if k is not None and torch.is_inference_mode_enabled() else None
+
+
 class DraftMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
@@ -76,7 +97,15 @@ class DraftMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
+    def stack(self) -> None:
+        """Inference: gate and up in one matmul."""
+        self.__dict__["_gate_up"] = stacked_kernel([self.gate_proj, self.up_proj])
+
     def forward(self, x):
+        k = _stacked(self, "_gate_up")
+        if k is not None:
+            g, u = k(x).chunk(2, -1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -90,11 +119,21 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.scale = c.head_dim ** -0.5
 
+    def stack(self) -> None:
+        """Inference: q, k and v in one matmul."""
+        self.__dict__["_qkv"] = stacked_kernel([self.q_proj, self.k_proj, self.v_proj])
+
     def qkv(self, a, cos, sin):
         B, T, _ = a.shape
-        q = apply_rope(self.q_proj(a).view(B, T, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.k_proj(a).view(B, T, self.n_kv, self.head_dim), cos, sin).transpose(1, 2)
-        v = self.v_proj(a).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        k3 = _stacked(self, "_qkv")
+        if k3 is not None:
+            qd, kd = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = k3(a).split([qd, kd, kd], -1)
+        else:
+            q, k, v = self.q_proj(a), self.k_proj(a), self.v_proj(a)
+        q = apply_rope(q.view(B, T, self.n_heads, self.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), cos, sin).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         return q, k, v  # (B, H, T, d), (B, Hkv, T, d), (B, Hkv, T, d)
 
     def out(self, o):  # (B, H, T, d) -> (B, T, hidden)
@@ -147,6 +186,15 @@ class EagleDraftModel(nn.Module):
     def attach_target(self, target) -> None:
         self._shared = {"embed": target.embed_tokens, "head": target.lm_head}
 
+    def stack_projections(self) -> None:
+        """Inference: q/k/v and gate/up of each layer as one matmul each (copies of the current weights, used
+        under inference mode only; on this CPU's packed bf16 kernel the products are bit-identical to the
+        separate ones). Call again after changing the weights. Like the packed copies of every linear, the
+        copies are not parameters (a packed one holds only its packed weight: 2.9M values for SmolLM2's
+        drafter) and `memory()` does not count them."""
+        for layer in self.layers:
+            layer.self_attn.stack()
+            layer.mlp.stack()
     @property
     def dtype(self):
         return self.layers[0].mlp.down_proj.weight.dtype
@@ -195,7 +243,7 @@ class EagleDraftModel(nn.Module):
         ctx = attention_context(kvp, positions, attn_mask, {})
         a = layer.attn_input(self.embed(tokens), u) if self.config.eagle3 else u
         q, k, v = layer.self_attn.qkv(a, cos, sin)
-        keys, values = kvp.write(0, k.to(kvp.kv.dtype), v.to(kvp.kv.dtype))
+        keys, values = kvp.write(0, k, v)  # the store converts to its dtype as it copies
         mask = ctx.masks.get("full")
         o = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=mask,
                                            is_causal=ctx.causal and mask is None, scale=layer.self_attn.scale,

@@ -1,0 +1,117 @@
+"""Choose an EAGLE drafter's default tree shape (depth, tree_width, num_draft_tokens) on this host from its
+verify-cost curve, the drafter's measured acceptance per depth and its measured drafting cost (the method is in
+specloom/drafters/eagle/shape.py); optionally store it in the drafter's config.json (`--write`), where
+`--speculative-config` defaults come from. Run it again for a retrained drafter or another machine.
+
+    python scripts/choose_eagle_tree.py smollm2-135m [--method eagle3] [--model DIR] \
+        [--prompts ../shared/data/train/arena-hard-v2.jsonl ...] [--num-prompts 8] [--max-tokens 96] \
+        [--threads N] [--json out/tree_choice.json] [--write]
+
+Calibration prompts are training prompts (never the benchmark set). Without --model the bundled drafter is used
+(and written, with --write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+from specloom.bench.verify_cost import verify_cost_curve  # noqa: E402
+from specloom.drafters.eagle import shape  # noqa: E402
+from specloom.engine import load  # noqa: E402
+
+
+def read_prompts(files, engine, count: int, max_len: int) -> list[list[int]]:
+    per = []
+    for path in files:
+        with open(path) as f:
+            texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
+        per.append([x for x in (engine.encode(t, chat=True) for t in texts[::-1]) if len(x) <= max_len])
+    out, i = [], 0
+    while len(out) < count and any(i < len(p) for p in per):  # round robin over the files, from their ends
+        out += [p[i] for p in per if i < len(p)]
+        i += 1
+    return out[:count]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("target")
+    ap.add_argument("--method", default="eagle3", choices=("eagle", "eagle3"))
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--prompts", nargs="+", default=["../shared/data/train/arena-hard-v2.jsonl"])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-len", type=int, default=400)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--stride", type=int, default=2)
+    ap.add_argument("--max-depth", type=int, default=7)
+    ap.add_argument("--widths", type=int, nargs="+", default=list(shape.WIDTHS))
+    ap.add_argument("--cost-samples", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--write", action="store_true")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    t0 = time.time()
+    engine = load(a.target, {"method": a.method, **({"model": a.model} if a.model else {})}, dtype=a.dtype,
+                  progress=False, speculation="fixed")
+    d = engine.drafter
+    curve = verify_cost_curve(engine.model)
+    print("verify cost v(n):", {n: round(x, 2) for n, x in curve.items()}, file=sys.stderr, flush=True)
+    prompts = read_prompts(a.prompts, engine, a.num_prompts, a.max_len)
+    costs = shape.drafting_costs(engine, prompts[0], a.widths, samples=a.cost_samples)
+    print(f"drafting cost (target steps): c0 {costs.c0:.3f}, c1 " +
+          ", ".join(f"w{w} {c:.3f}" for w, c in costs.c1.items()) + f"; target step {costs.target_step_s * 1e3:.1f} ms",
+          file=sys.stderr, flush=True)
+    records = shape.replay(engine, prompts, a.widths, a.max_depth, a.max_tokens, a.stride,
+                           progress=lambda i, n: print(f"replayed {i}/{n} prompts", file=sys.stderr, flush=True))
+    table = shape.evaluate(records, costs, curve)
+    current = (d.depth, d.width, d.num_nodes)
+    cur = next((r for r in table if (r["depth"], r["tree_width"], r["num_draft_tokens"]) == current), None)
+    print(f"{'depth':>5} {'width':>5} {'nodes':>5} {'tau':>6} {'passes':>6} {'draft c':>7} {'v(n+1)':>6} {'pred':>6}  "
+          "acceptance per depth")
+    for r in table[:15] + ([cur] if cur and cur not in table[:15] else []):
+        mark = " <- current" if r is cur else ""
+        print(f"{r['depth']:>5} {r['tree_width']:>5} {r['num_draft_tokens']:>5} {r['tau']:>6.3f} {r['passes']:>6.2f} "
+              f"{r['draft_cost']:>7.3f} {r['verify_cost']:>6.2f} {r['predicted_speedup']:>6.3f}  "
+              + " ".join(f"{x:.2f}" for x in r["acceptance_per_depth"]) + mark)
+    best = table[0]
+    choice = {k: best[k] for k in ("depth", "tree_width", "num_draft_tokens")}
+    print("chosen:", json.dumps(choice))
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         cwd=os.path.dirname(os.path.abspath(__file__))).strip()
+    except Exception:
+        commit = None
+    info = {"command": " ".join(["python scripts/choose_eagle_tree.py", *sys.argv[1:]]), "commit": commit,
+            "threads": torch.get_num_threads(), "verify_cost": curve, "costs": shape.costs_dict(costs),
+            "positions": len(records) // len(a.widths), "prompts": len(prompts), "chosen": best,
+            "previous": cur, "top": table[:15], "seconds": round(time.time() - t0, 1)}
+    if a.json:
+        os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump(info, f, indent=1)
+    if a.write:
+        from specloom.drafters.checkpoint import find_drafter_dir
+
+        path = os.path.join(find_drafter_dir(a.model, a.method, engine.model.config), "config.json")
+        with open(path) as f:
+            raw = json.load(f)
+        raw.setdefault("specloom", {}).update(choice, tree_choice=info)
+        with open(path, "w") as f:
+            json.dump(raw, f, indent=1)
+        print("written to", path, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
