@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--multi-turn-fraction", type=float, default=0.2,
                    help="share of conversations with a second, Magpie-written user turn")
     d.add_argument("--shard-tokens", type=_positive_int, default=200_000)
+    d.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new conversation after this long (the running ones finish; a rerun resumes)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     d.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp32", "auto"],
@@ -147,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
             add(t)
     t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
     t.add_argument("--eval-fraction", type=float, default=0.02)
+    t.add_argument("--max-minutes", type=float, default=None,
+                   help="stop training after this long (then evaluate and save as at the end)")
     t.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="held-out evaluation every N steps (the learning curve in evals.json and the manifest)")
     t.add_argument("--save-every", type=_positive_int, default=100)
@@ -312,7 +316,8 @@ def _data(args) -> int:
                   max_prompt_tokens=args.max_prompt_tokens, limit=args.limit, magpie=args.magpie,
                   sampled_fraction=args.sampled_fraction, multi_turn_fraction=args.multi_turn_fraction,
                   temperature_range=tuple(args.temperature_range), shard_tokens=args.shard_tokens, seed=args.seed,
-                  dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device, command=" ".join(["specloom", *sys.argv[1:]]))
+                  dtype=args.dtype, kv_dtype=args.kv_dtype, device=args.device, command=" ".join(["specloom", *sys.argv[1:]]),
+                  max_minutes=args.max_minutes)
     return 0
 
 

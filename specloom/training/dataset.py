@@ -2,8 +2,8 @@
 
 Shards hold token ids and loss masks; hidden states are either stored with them (the first data format) or
 recomputed by the frozen target when a batch is collated (`attach(target)`: one bf16 forward over the batch,
-capturing the ids the trainer reads). Recomputing was measured faster here than reading bf16 states back from disk,
-and it keeps a 5M-token dataset at ~50 MB instead of ~40 GB (BENCHMARKS.md, "Self-distillation data")."""
+capturing the ids the trainer reads). Stored states collate far faster; recomputing keeps a 5M-token dataset at
+~25 MB instead of ~23 GB (BENCHMARKS.md, "Self-distillation data")."""
 
 from __future__ import annotations
 

@@ -14,8 +14,10 @@
   speculation. Jobs run in a seeded order that mixes the sources, so any prefix of a run is a fair sample.
 * Stored, compactly, in `shard_NNNNN.safetensors` of ~`--shard-tokens` tokens: `tokens` (int32, conversations
   concatenated), `offsets` (int64, starts + one extra), `loss_mask` (uint8, 1 on the target's answer tokens),
-  `job_ids` (int64). No hidden states: training recomputes them with the target (training/dataset.py), which was
-  measured faster here than reading bf16 states back (see BENCHMARKS.md) and keeps 5M+ tokens in ~50 MB.
+  `job_ids` (int64). No hidden states: training recomputes them with the target (training/dataset.py). Reading
+  stored bf16 states back is far faster per epoch (measured: ~100k vs ~200 tokens/s collated on one shared core), but
+  they cost 4.6 KB per token (5M tokens: ~23 GB, beyond this machine's memory, where the loader holds every shard);
+  tokens alone are 5 bytes per token (BENCHMARKS.md, "Self-distillation data").
 * Resumable: shards are written atomically; a rerun skips the jobs already stored. `meta.json` records the target
   fingerprint and the settings; a rerun with other settings or another target is refused. `progress.json` and
   `DATACARD.md` (sources, counts, length histogram, dedup rate, the command) are rewritten after every shard.
@@ -119,6 +121,7 @@ class Generator:
         self.inflight = 0
         self.filter = QueryFilter()
         self.failed = Counter()
+        self.deadline = None  # perf_counter time after which no new conversation starts
 
     def _submit(self, job: Job, ids: list[int], max_tokens: int, temperature: float, top_p: float, stage: str):
         from ..sampling import SamplingParams
@@ -199,6 +202,10 @@ class Generator:
             self.store.add(job, job.ids[:n], job.mask[:n])
 
     def _refill(self) -> None:
+        if self.deadline is not None and time.perf_counter() > self.deadline and self.pending:
+            print(f"specloom data: time is up: {len(self.pending)} conversations not started (a rerun resumes)",
+                  file=sys.stderr, flush=True)
+            self.pending = []  # the running ones finish and are stored
         while self.pending and self.inflight < 2 * self.rows:
             self._start(self.pending.pop())
         if not self.pending and self.inflight == 0:
@@ -388,6 +395,7 @@ def build_dataset(
     kv_dtype: str | None = "bf16",
     device: str | None = "cpu",
     command: str | None = None,
+    max_minutes: float | None = None,
 ) -> dict:
     from ..engine import Engine
     from ..fingerprint import fingerprint
@@ -455,6 +463,8 @@ def build_dataset(
     gen = Generator(engine, frame, rows, max_new_tokens, seed, store,
                     kv_dtype=None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype))
     store.gen = gen
+    if max_minutes:
+        gen.deadline = time.perf_counter() + 60 * max_minutes
     for q in store.queries:  # duplicates of queries stored by an earlier run are dropped too
         gen.filter.remember(q)
     gen.run(todo)

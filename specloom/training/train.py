@@ -116,11 +116,13 @@ def run_training(args) -> dict:
 
     bar = tqdm(total=total, initial=step, desc=f"train {args.kind}", file=sys.stderr, mininterval=2.0)
     t0 = time.perf_counter()
+    limit = getattr(args, "max_minutes", None)
+    timed_out = lambda: bool(limit) and time.perf_counter() - t0 > 60 * limit  # noqa: E731
     epoch = step // max(batches_per_epoch, 1)
     while step < total:
         skip = step - epoch * batches_per_epoch
         for group in data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch)[max(skip, 0):]:
-            if step >= total:
+            if step >= total or timed_out():
                 break
             batch = to_device(data.collate(group, 1024), dev)
             for g in opt.param_groups:
@@ -149,6 +151,9 @@ def run_training(args) -> dict:
                             "settings": settings}, state_path + ".tmp")
                 os.replace(state_path + ".tmp", state_path)
         epoch += 1
+        if timed_out():
+            print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
+            break
     bar.close()
     wall = time.perf_counter() - t0
     tr.model.eval()
