@@ -204,6 +204,22 @@ def test_one_row_curve_is_measured_interleaved_and_monotone(tiny):
     assert cost(1, 33) >= cost(1, 17) and cost(2, 5) == pytest.approx(2 * cost(1, 5))  # one-row curve: linear in n
 
 
+def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monkeypatch):
+    from specloom.serving import load_aware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    first = load_aware.batch_cost_cached(model, 1)
+    assert list((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
+    monkeypatch.setattr(load_aware, "time_decode_step", lambda m: 10 * first.base)  # the host is 10x slower now
+    again = load_aware.batch_cost_cached(model, 1)
+    assert again.base == pytest.approx(10 * first.base)
+    assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)  # same shape
+    before = dict(again.seconds)
+    again.observe(1, 5, again.base * again(1, 5))  # a pass as predicted: nothing to calibrate
+    assert again.seconds == pytest.approx(before)
+
+
 def test_prior_from_the_drafters_measured_tau():
     for k in (1, 4, 6):
         for a in (0.1, 0.4, 0.8):

@@ -114,6 +114,11 @@ class BatchCost:
         ratio = seconds / self._interp(n, t)
         self.seconds[(n0, t0)] *= (1 - weight) + weight * min(max(ratio, 0.25), 4.0)
 
+    def rescale(self, factor: float) -> None:
+        """Every point times `factor`: the same shape on a machine that now runs faster or slower."""
+        self.seconds = {k: v * factor for k, v in self.seconds.items()}
+        self.base *= factor
+
     def to_json(self) -> dict:
         return {f"{n}x{t}": v for (n, t), v in self.seconds.items()}
 
@@ -180,6 +185,28 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
     return BatchCost(out)
 
 
+@torch.inference_mode()
+def time_decode_step(model, context: int = 128, repeats: int = 5) -> float:
+    """Median seconds of a one-row, one-token pass after `context` cached tokens (the cost curve's unit, now)."""
+    from ..bench.verify_cost import sync
+
+    dev = model.device
+    kv = model.new_kv(context + 2)
+    x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
+    model(x, torch.arange(context, device=dev)[None], kv, num_logits=1)
+    kv.commit()
+    tok, pos = torch.randint(0, model.config.vocab_size, (1, 1), device=dev), torch.tensor([[context]], device=dev)
+    times = []
+    for _ in range(repeats + 1):
+        sync(dev)
+        t = time.perf_counter()
+        model(tok, pos, kv)
+        sync(dev)
+        kv.truncate(context)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
 def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> BatchCost:
     """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads, rows, host
     (CPU, flags, torch) and linear kernel."""
@@ -194,7 +221,11 @@ def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> 
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
             with open(path) as f:
-                return BatchCost.from_json(json.load(f))
+                cost = BatchCost.from_json(json.load(f))
+            # the cached shape, anchored to how fast the machine runs now (a curve measured while the host was
+            # busier would otherwise take many passes of online calibration to come back)
+            cost.rescale(time_decode_step(model) / cost.seconds[(cost.rows[0], cost.tokens[0])])
+            return cost
     if log:
         log("measuring the verify-cost curve (once per model, dtype, host and kernel)")
     cost = measure_batch_cost(model, max_rows)
