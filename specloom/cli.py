@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compare-plain", action="store_true",
                    help="also decode the same prompt without speculation in the same run (after a short warm-up "
                         "of both) and print both speeds, the speed-up and tau")
+    g.add_argument("--compare-rounds", type=_positive_int, default=2,
+                   help="with --compare-plain: runs of each, interleaved A B B A ... (default 2)")
 
     b = sub.add_parser("bench", help="benchmark a candidate against a baseline, interleaved in one run")
     _common(b)
@@ -218,8 +220,16 @@ def _generate(args) -> int:
         plain = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype)
         for e in (plain, engine):  # warm-up: one-time kernel set-up, the verify-cost curve (cached per host)
             e.generate(args.prompt, **{**kw, "max_tokens": min(8, args.max_tokens)})
-    result = engine.generate(args.prompt, **kw)
-    base = plain.generate(args.prompt, **kw) if plain is not None else None
+    runs = {"spec": [], "plain": []}
+    for i in range(args.compare_rounds if plain is not None else 1):  # A B, B A, ...: drift hits both alike
+        order = [("spec", engine), ("plain", plain)][:: 1 if i % 2 == 0 else -1] if plain is not None else [
+            ("spec", engine)]
+        for name, e in order:
+            runs[name].append(e.generate(args.prompt, **kw))
+    result = runs["spec"][0]
+    base = runs["plain"][0] if plain is not None else None
+    tps = _decode_tps(runs["spec"])
+    base_tps = _decode_tps(runs["plain"]) if base is not None else 0.0
     host = host_info(engine.model.device)
     choice = getattr(engine.model, "kernel_choice", None)
     if args.json:
@@ -228,7 +238,9 @@ def _generate(args) -> int:
         d["linear_kernel"] = choice.to_dict() if choice is not None else None
         if base is not None:
             d["plain"] = {k: v for k, v in base.to_dict().items() if k not in ("logprobs", "prompt_token_ids")}
-            d["speedup"] = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
+            d["rounds"] = args.compare_rounds
+            d["decode_tokens_per_second"], d["plain"]["decode_tokens_per_second"] = tps, base_tps  # over the rounds
+            d["speedup"] = _ratio(tps, base_tps)
             d["identical_to_plain"] = result.token_ids == base.token_ids
             d["first_difference"], d["top2_margin_at_divergence"] = _divergence(engine, result, base)
         print(json.dumps(d))
@@ -243,19 +255,20 @@ def _generate(args) -> int:
                 f"{s.get('mean_depth', 0):.1f}, {s.get('drafted_steps', 0)}/{s.get('steps', 0)} steps drafted): "
                 f"{result.num_accepted_tokens}/{result.num_draft_tokens} drafted tokens accepted, acceptance per "
                 f"position [{alpha}]")
-    print(f"\n[{_speed(result)}, {result.num_target_passes} target passes, tau {result.mean_accepted_length:.2f}"
+    print(f"\n[{_speed(result, tps)}, {result.num_target_passes} target passes, tau {result.mean_accepted_length:.2f}"
           f"{spec}, finish: {result.finish_reason}]", file=err)
     if base is not None:
-        ratio = _ratio(result.decode_tokens_per_second, base.decode_tokens_per_second)
+        ratio = _ratio(tps, base_tps)
         same = "identical output"
         if base.token_ids != result.token_ids:
             j, margin = _divergence(engine, result, base)
             same = (f"outputs part at token {j}" + (f", a near-tie of the target's top-2 logits (margin {margin:.3f}): "
                                                     "bf16 rounds a multi-token pass differently; fp32 is exact"
                                                     if margin is not None else ""))
-        print(f"[plain decoding, same prompt, same run: {_speed(base)}]\n"
-              f"[speed-up {ratio:.2f}x ({result.decode_tokens_per_second:.1f} vs {base.decode_tokens_per_second:.1f} "
-              f"tokens/s, prefill excluded), tau {result.mean_accepted_length:.2f}, {same}]", file=err)
+        rounds = f", {args.compare_rounds} rounds interleaved" if args.compare_rounds > 1 else ""
+        print(f"[plain decoding, same prompt, same run: {_speed(base, base_tps)}]\n"
+              f"[speed-up {ratio:.2f}x ({tps:.1f} vs {base_tps:.1f} tokens/s, prefill excluded{rounds}), "
+              f"tau {result.mean_accepted_length:.2f}, {same}]", file=err)
     print(f"[{host_line(host)}; {choice.describe() if choice is not None else 'linear kernel: default'}]", file=err)
     return 0
 
@@ -276,9 +289,15 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
-def _speed(r) -> str:
+def _decode_tps(results) -> float:
+    """Decode tokens per second over several runs (tokens after the first / time after the prefill)."""
+    t = sum(r.total_seconds - r.prefill_seconds for r in results)
+    return sum(len(r.token_ids) - 1 for r in results) / t if t > 0 else 0.0
+
+
+def _speed(r, tps: float) -> str:
     """`128 tokens, 41.2 tokens/s (prefill of 80 tokens: 95 ms, not counted)`."""
-    return (f"{len(r.token_ids)} tokens, {r.decode_tokens_per_second:.1f} tokens/s (prefill of "
+    return (f"{len(r.token_ids)} tokens, {tps:.1f} tokens/s (prefill of "
             f"{len(r.prompt_token_ids)} tokens: {r.prefill_seconds * 1000:.0f} ms, not counted)")
 
 

@@ -319,10 +319,10 @@ def test_generate_compare_plain(tiny, capsys):
     rc, out, err = run_in_process(capsys, *args)
     assert rc == 0, err
     assert "plain decoding, same prompt, same run" in err and "speed-up" in err and "tau" in err
-    assert "prefill excluded" in err and "host: " in err and "linear kernel" in err
-    rc, out, err = run_in_process(capsys, *args, "--json")
+    assert "prefill excluded, 2 rounds interleaved" in err and "host: " in err and "linear kernel" in err
+    rc, out, err = run_in_process(capsys, *args, "--json", "--compare-rounds", "1")
     assert rc == 0, err
     d = json.loads(out)
     assert d["identical_to_plain"] and d["plain"]["token_ids"] == d["token_ids"] and len(d["token_ids"]) == 24
     assert d["speedup"] > 0 and d["decode_tokens_per_second"] > 0 and d["host"]["threads"] >= 1
-    assert d["speculation"]["mode"] == "auto" and d["first_difference"] is None
+    assert d["speculation"]["mode"] == "auto" and d["first_difference"] is None and d["rounds"] == 1
