@@ -81,7 +81,7 @@ class Engine:
                                                                                    flush=True))
             prior = drafter_prior_tau(self.drafter, self.speculative_config, self.model.config)
             self._policy = DepthPolicy.for_drafter(mode, self.drafter, self.cost if mode == "load_aware" else None,
-                                                   prior)
+                                                   prior, calibrate=False)
         return self._policy
 
     # -- inputs ---------------------------------------------------------------------------------------------

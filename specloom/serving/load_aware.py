@@ -27,6 +27,7 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 
 import torch
 
@@ -294,7 +295,8 @@ class DepthPolicy:
     row after `patience` idle steps (or at admission, `admit`, when its prior already says it cannot pay)."""
 
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
-                 nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False):
+                 nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,
+                 calibrate: bool = True):
         mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES} (or auto), got {mode!r}")
@@ -302,7 +304,8 @@ class DepthPolicy:
             raise ValueError("load-aware speculation needs a batch cost curve")
         self.mode, self.max_k, self.cost = mode, max_k, cost
         self.draft_cost = 0.0  # drafting time per depth per request, relative to c(1, 1) (see `observe`)
-        self._draft_obs: list[float] = []
+        self._draft_obs: deque = deque(maxlen=17)
+        self.calibrate = calibrate  # scale the cost curve's points with measured passes (serving)
         self.nodes_per_depth = nodes_per_depth  # tree nodes per unit of depth (1 for chains; EMA over trees)
         self.full_nodes = full_nodes  # the drafter's own tree size at max_k (None: a chain)
         self.cheap = cheap
@@ -315,16 +318,18 @@ class DepthPolicy:
 
     @classmethod
     def for_drafter(cls, mode: str, drafter, cost: BatchCost | None = None,
-                    prior_tau: float | None = None) -> "DepthPolicy":
+                    prior_tau: float | None = None, calibrate: bool = True) -> "DepthPolicy":
         """A policy for `drafter` (None: off): its depth, tree size per depth, cheapness and a prior acceptance
-        from its measured tau (0.5 when unknown)."""
+        from its measured tau (0.5 when unknown). `calibrate` False keeps the cost curve's shape as measured
+        (Engine.generate: on a shared host, transient slow passes would otherwise tilt it for the rest of a
+        run)."""
         k = drafter.num_speculative_tokens if drafter is not None else 0
         if not k:
             return cls("off", 0)
         nodes = drafter.num_nodes
         prior = tau_to_alpha(prior_tau, k) if prior_tau else 0.5
         return cls(mode, k, cost, prior_alpha=prior, nodes_per_depth=nodes / k if nodes else 1.0,
-                   full_nodes=nodes, cheap=cheap_drafter(drafter))
+                   full_nodes=nodes, cheap=cheap_drafter(drafter), calibrate=calibrate)
 
     def new_acceptance(self) -> Acceptance:
         acc = Acceptance(prior=self.global_alpha.alpha, weight=2.0)
@@ -349,16 +354,12 @@ class DepthPolicy:
         self.global_alpha.update(depth, accepted)
         self.nodes_per_depth = 0.9 * self.nodes_per_depth + 0.1 * (nodes - 1) / depth
         if step_seconds_1x1:
-            # the first drafted step of a policy is a warm-up (lazy allocations, new shapes): not counted; then the
-            # median of the next five (one outlier does not turn drafting off), then an EMA
-            d = draft_seconds / depth / step_seconds_1x1
+            # the median of the last 16 drafted steps (the very first, a warm-up with lazy allocations and new
+            # shapes, is not counted): a few steps slowed by other work on a shared host do not turn drafting off
             obs = self._draft_obs
-            if len(obs) < 6:
-                obs.append(d)
-                if len(obs) > 1:
-                    self.draft_cost = statistics.median(obs[1:])
-            else:
-                self.draft_cost = 0.9 * self.draft_cost + 0.1 * d
+            obs.append(draft_seconds / depth / step_seconds_1x1)
+            if len(obs) > 1:
+                self.draft_cost = statistics.median(list(obs)[1:] if len(obs) < obs.maxlen else obs)
 
     def nodes(self, k: int) -> int:
         """Tokens of a k-deep draft's verification pass (root included)."""
@@ -426,8 +427,15 @@ class DepthPolicy:
             r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink else None
         rep = stepper.step(rows)
         n = len(rows)
+        unit = self.t1
         if self.cost is not None and self.mode == "load_aware":
-            self.cost.observe(n, rep.width, rep.pass_seconds)
+            if not self.calibrate and not self.cost.frozen and rep.pass_seconds > 0:
+                # an uncalibrated measured curve: drafting time in units of this very step's pass (seconds of
+                # c = 1 now), since both slow down alike when the host is busy; a calibrated curve (serving)
+                # follows the machine itself, a frozen (forced) one defines its own unit
+                unit = rep.pass_seconds / self.cost(n, rep.width)
+            if self.calibrate:
+                self.cost.observe(n, rep.width, rep.pass_seconds)
         for r, tree, acc in zip(rows, rep.trees, rep.accepted):
-            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, self.t1)
+            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, unit)
         return rep, ks
