@@ -40,7 +40,7 @@ def plain(t, ids, **kw):
 
 
 def engine(t, d, **spec):
-    return specloom.load(d, {"method": "mtp", **spec}, dtype="fp32", progress=False)
+    return specloom.load(d, {"method": "mtp", **spec}, dtype="fp32", progress=False, speculation="fixed")
 
 
 CASES = [{}, {"num_speculative_tokens": 1}, {"num_speculative_tokens": 5},
