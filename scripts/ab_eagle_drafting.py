@@ -13,6 +13,8 @@ all steps, the first included, whose catch-up runs the whole prompt), the median
 plain step beside it (first step left out: "steady"), drafter passes per step, tau, and whether tokens and every
 draft tree are identical to the other path's. Summary: medians over prompts and rounds.
 `--profile N`: torch.profiler over an N-token generation of each path afterwards (top ops by self time).
+`--sections`: wall time per part of the drafting step (layer passes, heads, catch-up, tree bookkeeping, ...),
+summed over all steps of the run, in plain decode steps.
 """
 
 from __future__ import annotations
@@ -156,6 +158,85 @@ def lockstep(engines: dict, ids: list[int], max_tokens: int, first: int) -> dict
     return {"results": {k: r.result() for k, r in rows.items()}, "times": times, "both": both, "passes": passes}
 
 
+def profile_drafting(engines, ids: list[int], max_tokens: int) -> None:
+    """torch.profiler over one generation per path; only the ops run inside propose / on_verified are counted
+    (self time per op name, per drafting step)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for k in ("old", "new"):
+        e = engines[k]
+        d = e.drafter
+        propose, on_verified = d.propose, d.on_verified
+
+        def p(ctxs, f=propose):
+            with record_function("specloom:drafting"):
+                return f(ctxs)
+
+        def v(ctxs, results, out, f=on_verified):
+            with record_function("specloom:drafting"):
+                return f(ctxs, results, out)
+
+        d.propose, d.on_verified = p, v
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            r = e.generate(prompt_token_ids=ids, max_tokens=max_tokens)
+        d.propose, d.on_verified = propose, on_verified
+        acc, count, steps = {}, {}, r.num_target_passes - 1
+
+        def walk(ev):
+            for c in ev.cpu_children:
+                acc[c.name] = acc.get(c.name, 0) + c.self_cpu_time_total
+                count[c.name] = count.get(c.name, 0) + 1
+                walk(c)
+
+        roots = [ev for ev in prof.events() if ev.name == "specloom:drafting"]
+        for ev in roots:
+            walk(ev)
+        wall = sum(ev.cpu_time_total for ev in roots)
+        total = sum(acc.values())
+        lin = sum(t for n, t in acc.items() if "linear" in n or n in ("aten::addmm", "aten::mm"))
+        print(f"== {k}: drafting under the profiler, {steps} steps: {wall / steps / 1e3:.2f} ms/step, "
+              f"{sum(count.values()) / steps:.0f} ops/step, matmuls {lin / max(total, 1):.0%} of op self time")
+        for n, t in sorted(acc.items(), key=lambda x: -x[1])[:15]:
+            print(f"   {n:50s} {t / steps / 1e3:7.3f} ms/step  {count[n] / steps:6.1f} calls/step")
+
+
+SECTIONS = ("propose", "_catch_up", "_tree", "_rows", "_logits", "on_verified")
+
+
+def time_sections(drafter, acc: dict) -> None:
+    """Accumulate wall seconds of the drafter's parts into `acc` (wrapping its methods and its model's)."""
+    def wrap(obj, name, label):
+        f = getattr(obj, name)
+
+        def g(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+
+        setattr(obj, name, g)
+
+    for name in SECTIONS:
+        wrap(drafter, name, name)
+    wrap(drafter.model, "forward", "layer")
+    wrap(drafter.model, "input_hidden", "fc")
+
+
+def section_table(acc: dict, steps: int, plain_s: float) -> list[tuple[str, float]]:
+    """Parts of a drafting step in plain decode steps (`plain_s` the summed plain-step seconds beside them)."""
+    g = acc.get
+    tree_fwd = g("_rows", 0.0)  # the tree passes (their forwards and setup)
+    rows = [("drafter layer forwards (all passes)", g("layer", 0.0)),
+            ("heads (norm + draft-vocabulary matmul)", g("_logits", 0.0)),
+            ("catch-up fc", g("fc", 0.0)),
+            ("catch-up bookkeeping", g("_catch_up", 0.0) - g("fc", 0.0) - (g("layer", 0.0) - tree_fwd)),
+            ("tree bookkeeping (top-k, frontier, masks, rerank)", g("_tree", 0.0) - tree_fwd - g("_logits", 0.0)),
+            ("propose state, truncation", g("propose", 0.0) - g("_tree", 0.0) - g("_catch_up", 0.0)),
+            ("on_verified", g("on_verified", 0.0))]
+    return [(n, v / plain_s) for n, v in rows] + [("total", sum(v for _, v in rows) / plain_s)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("target")
@@ -171,6 +252,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--profile", type=int, default=0)
+    ap.add_argument("--sections", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.threads:
@@ -194,6 +276,11 @@ def main() -> None:
     plain.timed = None
     for k in ("old", "new"):
         engines[k].timed = Timed(engines[k].drafter)
+    sections = {"old": {}, "new": {}}
+    if a.sections:
+        for k in ("old", "new"):
+            time_sections(engines[k].drafter, sections[k])
+    plain_beside = {"old": 0.0, "new": 0.0}  # plain-step seconds beside each path's drafting steps
     rec = []
     for r in range(a.rounds):
         for i, ids in enumerate(prompts):
@@ -211,6 +298,8 @@ def main() -> None:
                           "passes_per_step": statistics.mean(got["passes"][k]),
                           "tau": res[k].mean_accepted_length, "steps": len(steps), "token_ids": res[k].token_ids}
                 row[k]["ratio"] = row[k]["draft_ms_per_step"] / row["plain_step_ms"]
+            for k in ("old", "new"):
+                plain_beside[k] += row["plain_step_ms"] / 1e3 * len(got["times"][k])
             row["identical_tokens"] = res["old"].token_ids == res["new"].token_ids
             row["identical_plain"] = res["new"].token_ids == res["plain"].token_ids
             rec.append(row)
@@ -238,16 +327,18 @@ def main() -> None:
                                              "passes_per_step", "tau")}
     summary["new_over_old_draft_ms"] = statistics.median(x["new"]["draft_ms_per_step"] / x["old"]["draft_ms_per_step"]
                                                          for x in rec)
+    if a.sections:
+        summary["sections"] = {}
+        for k in ("old", "new"):
+            steps = sum(x[k]["steps"] for x in rec)
+            table = section_table(sections[k], steps, plain_beside[k])
+            summary["sections"][k] = dict(table)
+            print(f"== {k}: parts of a drafting step, in plain decode steps ({steps} steps)", file=sys.stderr)
+            for n, v in table:
+                print(f"   {n:52s} {v:.3f}", file=sys.stderr)
     print(json.dumps(summary, indent=1))
     if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        for k in ("old", "new"):
-            e = engines[k]
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                e.generate(prompt_token_ids=prompts[0], max_tokens=a.profile)
-            print(f"== {k}: propose+update profile ({a.profile} tokens incl. target passes)")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        profile_drafting(engines, prompts[0], a.profile)
     if a.json:
         os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
         with open(a.json, "w") as f:

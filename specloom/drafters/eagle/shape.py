@@ -3,7 +3,7 @@
     records = replay(engine, prompts, widths, max_depth)       # the drafter's candidates at sampled positions
     costs = drafting_costs(engine, prompts[0], widths)         # c0, c1(w): drafting in target decode steps
     table = evaluate(records, costs, verify_cost_curve(target))  # every shape: tau, passes, predicted speed-up
-    best = table[0]
+    chosen = choose(table)                                     # the cheapest shape not clearly worse than the best
 
 A shape's predicted speed-up over plain decoding is tau / (v(nodes + 1) + c): tau = 1 + the expected number of
 accepted drafts per step, v(n) the host's verify-cost curve (one target pass over n tokens, in decode steps;
@@ -19,6 +19,11 @@ selection of those candidates -- the expansion to depth j does not depend on the
 keeps the best `nodes` candidates no deeper than the depth -- and its accepted length is the number of truth
 tokens on one root path of it. So one expansion per width and position prices every depth and node budget, and
 the early stop's passes are counted the same way.
+
+The choice (`choose`): the shapes whose predicted speed-up is within one paired standard error of the best one
+(differences per calibration prompt, paired on the same positions) are as good as the data can tell; of those the
+one with the cheapest step (v + c) is taken: least drafting and verification for the same expected gain, and the
+least dependent on deep acceptance, which varies most between domains.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Record:
     from it and the sorted scores of all candidates up to it (the early-stop test)."""
 
     width: int
+    prompt: int
     rank: list[list[int]]
     frontier_best: list[float]
     sorted_scores: list[list[float]]
@@ -111,7 +117,7 @@ class _Replay:
             self.store.truncate(n, row=0)
 
 
-def _record(cand, truth: list[int], width: int, depth: int) -> Record:
+def _record(cand, truth: list[int], width: int, depth: int, prompt: int = 0) -> Record:
     toks, scores, parents = cand.tokens[0], cand.scores[0], cand.parents[0]
     d_of = cand.depth_of()
     ids = torch.arange(toks.shape[0])
@@ -128,7 +134,7 @@ def _record(cand, truth: list[int], width: int, depth: int) -> Record:
     ends = [sum(cand.sizes[:j + 1]) for j in range(len(cand.sizes))]
     front = [float(scores[f[0]].max()) for f in cand.frontiers]
     sorted_scores = [scores[:e].sort(descending=True).values.tolist() for e in ends]
-    return Record(width, rank, front, sorted_scores)
+    return Record(width, prompt, rank, front, sorted_scores)
 
 
 def replay(engine, prompts: list[list[int]], widths=WIDTHS, max_depth: int = 7, max_new_tokens: int = 96,
@@ -147,7 +153,7 @@ def replay(engine, prompts: list[list[int]], widths=WIDTHS, max_depth: int = 7, 
         for n in range(last, len(ids) - 1, -stride):
             truth = seq[n + 1:n + 1 + max_depth]
             for w in widths:
-                records.append(_record(rp.expand(n, w, max_depth), truth, w, max_depth))
+                records.append(_record(rp.expand(n, w, max_depth), truth, w, max_depth, p))
         if progress:
             progress(p + 1, len(prompts))
     return records
@@ -233,12 +239,36 @@ def evaluate(records: list[Record], costs: Costs, curve: dict, candidates=None, 
         tau = 1 + statistics.mean(acc)
         c = costs.c0 + costs.c1[w] * passes
         v = interpolate(curve, nodes + 1)
+        per_prompt: dict[int, list[int]] = {}
+        for r, x in zip(rs, acc):
+            per_prompt.setdefault(r.prompt, []).append(x)
         rows.append({"depth": depth, "tree_width": w, "num_draft_tokens": nodes, "tau": tau,
                      "acceptance_per_depth": [sum(a >= j for a in acc) / len(acc) for j in range(1, depth + 1)],
                      "passes": passes, "draft_cost": c, "verify_cost": v, "predicted_speedup": tau / (v + c),
-                     "positions": len(rs)})
+                     "positions": len(rs),
+                     "tau_by_prompt": {p: 1 + statistics.mean(x) for p, x in sorted(per_prompt.items())}})
     rows.sort(key=lambda r: -r["predicted_speedup"])
     return rows
+
+
+def choose(table: list[dict]) -> dict:
+    """Of the shapes not worse than the best predicted one by more than one paired standard error (per prompt:
+    the difference of predicted speed-ups on the same positions), the one with the cheapest step (v + c); ties:
+    the higher prediction. Each row gets `se_vs_best`."""
+    best = table[0]
+
+    def pred_by_prompt(r):
+        return {p: t / (r["verify_cost"] + r["draft_cost"]) for p, t in r["tau_by_prompt"].items()}
+
+    bp = pred_by_prompt(best)
+    ok = []
+    for r in table:
+        rp = pred_by_prompt(r)
+        diffs = [bp[p] - rp[p] for p in bp if p in rp]
+        r["se_vs_best"] = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else 0.0
+        if best["predicted_speedup"] - r["predicted_speedup"] <= r["se_vs_best"]:
+            ok.append(r)
+    return min(ok, key=lambda r: (r["verify_cost"] + r["draft_cost"], -r["predicted_speedup"]))
 
 
 def costs_dict(c: Costs) -> dict:
