@@ -175,15 +175,17 @@ class Engine:
         policy.admit(row, stepper.drafter)
         while not row.finish and row.prefilled < len(ids):
             stepper.prefill(row, len(ids))
-        depths = []
+        depths, drafted = [], 0
         while not row.finish:
-            depths.append(policy.run_step(stepper, [row])[1][0])
+            rep, ks = policy.run_step(stepper, [row])
+            depths.append(ks[0])
+            drafted += len(rep.trees[0]) > 1
         if row.error is not None:
             raise row.error
         result = row.result()
         result.speculation = {"mode": self.speculation if self.drafter is not None else "off",
                               "steps": len(depths), "mean_depth": sum(depths) / len(depths) if depths else 0.0,
-                              "drafted_steps": sum(k > 0 for k in depths), "drafting_at_end": row.drafting}
+                              "drafted_steps": drafted, "drafting_at_end": row.drafting}
         return result
 
 

@@ -191,6 +191,47 @@ def test_depth_from_the_host_curve_for_both_host_kinds():
     assert DepthPolicy("fixed", 6).choose([0.0], [3]) == [3] and DepthPolicy("off", 6).choose([1.0], [6]) == [0]
 
 
+def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
+    """Where no depth pays (verification ~n steps), an n-gram-like drafter is probed at depth 1 after 8 idle
+    steps, again at every step while the probe finds no draft (that cost nothing), then after 16; a drafter that
+    updates state every step is turned off after `patience` idle steps."""
+    from specloom.step import StepReport
+    from specloom.tree import DraftTree
+
+    class Ctx:
+        k, max_nodes, state = 0, None, None
+
+    class Row:
+        def __init__(self):
+            self.drafting, self.ctx = True, Ctx()
+
+    def run(cheap, has_draft, steps):
+        pol = DepthPolicy("auto", 4, curve(LINEAR_IN_N), cheap=cheap)
+        row = Row()
+        row.acc = pol.new_acceptance()
+
+        class Stepper:
+            drafter = None
+
+            def step(self, rows):
+                k = rows[0].ctx.k
+                tree = DraftTree([1, 2], [-1, 0]) if k and has_draft(len(ks)) else DraftTree([1], [-1])
+                return StepReport(1, len(tree), 0.02 * len(tree), 0.0, [tree], [0])
+
+        ks = []
+        for _ in range(steps):
+            if not row.drafting:
+                break
+            ks.append(pol.run_step(Stepper(), [row], [4])[1][0])
+        return ks, row
+
+    ks, row = run(True, lambda i: i >= 10, 40)  # no draft at the first probes (steps 7-9), one at step 10
+    assert ks[:7] == [0] * 7 and ks[7:11] == [1] * 4 and ks[11:26] == [0] * 15 and ks[26] == 1, ks
+    assert row.drafting
+    ks, row = run(False, lambda i: True, 40)
+    assert ks == [0] * 8 and not row.drafting and row.ctx.state is None, ks
+
+
 def test_one_row_curve_is_measured_interleaved_and_monotone(tiny):
     from specloom.serving.load_aware import measure_batch_cost, monotone
 

@@ -405,6 +405,7 @@ class DepthPolicy:
         if caps is None:
             caps = [r.cap(drafter) for r in rows]
         ks = self.choose([r.acc.alpha for r in rows], caps)
+        probed = set()
         if self.mode == "load_aware":
             for i, (r, k, c) in enumerate(zip(rows, ks, caps)):
                 if k > 0 or c <= 0 or not r.drafting:
@@ -417,8 +418,8 @@ class DepthPolicy:
                     if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
                         r.drafting, r.ctx.state = False, None
                 elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance
-                    ks[i], r.acc.idle = 1, 0
-                    r.acc.period = min(2 * r.acc.period, self.explore_max)
+                    ks[i] = 1
+                    probed.add(i)
         full = self.max_k
         for r, k in zip(rows, ks):
             r.ctx.k = k
@@ -436,6 +437,9 @@ class DepthPolicy:
                 unit = rep.pass_seconds / self.cost(n, rep.width)
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
-        for r, tree, acc in zip(rows, rep.trees, rep.accepted):
+        for i, (r, tree, acc) in enumerate(zip(rows, rep.trees, rep.accepted)):
             self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, unit)
+            if i in probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
+                r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
+                r.acc.period = min(2 * r.acc.period, self.explore_max)
         return rep, ks
