@@ -210,7 +210,8 @@ def test_builtin_in_target_dir(blocks, tmp_path):
         if index:
             wm = json.load(open(os.path.join(d, "model.safetensors.index.json")))["weight_map"]
             assert wm["mtp.1.markov_head.markov_w1.weight"] == "model-dspark.safetensors"
-        e = specloom.load(d, {"method": "dspark"}, dtype="fp32", progress=False)  # found without "model"
+        e = specloom.load(d, {"method": "dspark"}, dtype="fp32", progress=False,  # found without "model"
+                          speculation="fixed")  # the drafter really drafts (auto follows the host)
         assert e.drafter.method == "dspark" and e.drafter.num_speculative_tokens == 4
         _same(ds, e.drafter.model)
         for ids in PROMPTS:
