@@ -104,7 +104,7 @@ def make_engine(t, spec, sharpen: float = 1.0):
     if spec["method"] == "mtp":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            e = specloom.load(spec["model"], spec, dtype="fp32", progress=False)
+            e = specloom.load(spec["model"], spec, dtype="fp32", progress=False, speculation="fixed")
         e.model, e.tokenizer = t.model, t.tokenizer  # the same target weights (the drafter reads its features)
     else:
         e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(spec), max_model_len=256)
@@ -244,3 +244,58 @@ def test_stacked_projections_match_separate(tiny, dtype):
     h.sum().backward()
     assert m2.layers[0].self_attn.q_proj.weight.grad is not None
     assert m2.layers[0].mlp.gate_proj.weight.grad is not None
+
+
+# -- the tree-shape replay (shape.py) prices shapes exactly as the drafter builds them --------------------------
+def _walk(tree, truth):
+    """Drafts of `tree` greedy verification accepts when the target continues with `truth`."""
+    cur, n = 0, 0
+    for tok in truth:
+        kids = [i for i in tree.children(cur) if tree.tokens[i] == tok]
+        if not kids:
+            break
+        cur, n = kids[0], n + 1
+    return n
+
+
+def test_shape_replay_matches_the_drafter(specs):
+    from specloom.drafters.eagle import shape
+
+    t, spec = specs
+    e = make_engine(t, spec["eagle3"])
+    d = e.drafter
+    ids = PROMPTS[1]
+    seq = ids + Engine(t.model, t.tokenizer).generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True).token_ids
+    K = 4
+    rp = shape._Replay(e, seq, len(ids), K)
+    checked = 0
+    for n in range(len(seq) - 1 - K, len(ids) - 1, -4):
+        truth = seq[n + 1:n + 1 + K]
+        for w in (1, 2, 3):
+            cand = rp.expand(n, w, K)
+            rec = shape._record(cand, truth, w, K)
+            for depth in range(1, K + 1):
+                for nodes in (1, 2, 3, 5, 8):
+                    tree = d._select([rp.ctx], cand.tokens, cand.scores, cand.parents, cand.valid([depth]),
+                                     cand.n_keep([depth], [nodes]))[0]
+                    assert shape._accepted(rec, depth, nodes) == _walk(tree, truth), (n, w, depth, nodes)
+                    # the passes an early-stopping expansion runs for this shape, counted offline
+                    assert rp.expand(n, w, depth, budget=nodes).passes == shape._passes(rec, depth, nodes)
+                    checked += 1
+    assert checked > 100
+
+
+def test_shape_choice_takes_the_cheapest_within_one_standard_error():
+    from specloom.drafters.eagle.shape import choose
+
+    def row(name, cost, taus):
+        return {"name": name, "verify_cost": cost, "draft_cost": 0.0, "tau_by_prompt": dict(enumerate(taus)),
+                "predicted_speedup": sum(taus) / len(taus) / cost}
+
+    best = row("best", 1.2, [2.0, 2.4, 1.6, 2.0])
+    close = row("close, cheaper", 1.1, [1.8, 2.3, 1.35, 1.85])  # worse by less than its paired spread
+    far = row("far, cheapest", 1.0, [1.2, 1.3, 1.1, 1.2])  # worse everywhere
+    table = sorted([far, close, best], key=lambda r: -r["predicted_speedup"])
+    assert table[0] is best
+    assert choose(table)["name"] == "close, cheaper"
+    assert choose([best, far])["name"] == "best"
