@@ -297,7 +297,7 @@ class KVPass:
 
     def flat_index(self, shape) -> torch.Tensor:
         """(n * H * T,) indices into a layer's store viewed as (R * H * S_max, d), in k's (n, H, T) order."""
-        if getattr(self, "_flat", None) is None:
+        if self._flat is None:
             _, H, S_max, _ = shape
             b, s = self.index()  # (n, T)
             h = torch.arange(H, device=b.device)[None, :, None]

@@ -77,7 +77,7 @@ class DistillData:
         self.target = target
 
     @torch.inference_mode()
-    def recompute(self, tokens: torch.Tensor, valid: torch.Tensor) -> dict:
+    def recompute(self, tokens: torch.Tensor) -> dict:
         """{id: (B, T, H) bf16} from one target pass over right-padded `tokens` (padding never reaches a valid
         position: attention is causal)."""
         t = self.target
@@ -135,5 +135,5 @@ class DistillData:
                 for c in self.ids:
                     hidden[c][r, :n] = h[c][:n]
         if not stored and self.ids:
-            hidden = self.recompute(tokens, valid)
+            hidden = self.recompute(tokens)
         return {"tokens": tokens, "valid": valid, "loss_mask": mask, "hidden": hidden}

@@ -51,10 +51,6 @@ def eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-def default_capture(num_layers: int) -> tuple[int, ...]:
-    return tuple(sorted({*eagle3_layer_ids(num_layers), num_layers}))
-
-
 def read_prompts(paths: list[str]) -> list[tuple[str, str]]:
     """(source, user message) for every prompt of the JSONL files (or directories of them) in `paths`."""
     files: list[str] = []
