@@ -91,10 +91,20 @@ class DistillData:
         return {c: out.hidden[c].to(torch.bfloat16) for c in self.ids}
 
     def split(self, eval_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-        idx = list(range(len(self.seqs)))
-        random.Random(seed).shuffle(idx)
-        n = max(1, int(len(idx) * eval_fraction))
-        return idx[n:], idx[:n]
+        """(train, held out) indices. A sequence's side is decided by a hash of its tokens (and the seed), not by
+        its position, so a directory that grows between runs (or a resumed run on more data) never moves a
+        sequence it trained on into the held-out set."""
+        import hashlib
+
+        def u(i):
+            h = hashlib.blake2b(self.seqs[i][0].numpy().tobytes() + str(seed).encode(), digest_size=8).digest()
+            return int.from_bytes(h, "little") / 2.0 ** 64
+
+        held = [i for i in range(len(self.seqs)) if u(i) < eval_fraction]
+        if not held:
+            held = [min(range(len(self.seqs)), key=u)]
+        hs = set(held)
+        return [i for i in range(len(self.seqs)) if i not in hs], held
 
     def batches(self, index: list[int], tokens_per_batch: int, seed: int, max_len: int = 1024):
         """Padded batches of similar-length sequences, in a seeded random order. Yields dicts with tokens (B, T),
