@@ -122,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--tokens-per-batch", type=_positive_int, default=4096)
     t.add_argument("--ttt-steps", type=_positive_int, default=3, help="training-time-test unroll (eagle, eagle3)")
-    t.add_argument("--draft-vocab", type=_positive_int, default=8192, help="eagle3 draft vocabulary size")
+    t.add_argument("--draft-vocab", type=_positive_int, default=None,
+                   help="draft vocabulary size: the most frequent answer tokens (eagle3: default 8192; medusa: "
+                        "default the whole vocabulary, a smaller one makes the heads' output layer cheaper)")
+    t.add_argument("--draft-vocab-coverage", type=float, default=None,
+                   help="eagle3, medusa: choose the draft vocabulary as the fewest tokens covering this share of "
+                        "the answer tokens (at most --draft-vocab)")
     t.add_argument("--loss-fraction", type=float, default=0.5,
                    help="fraction of positions scored per batch by large-vocabulary losses (speed knob)")
     t.add_argument("--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
@@ -150,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
         if add is not None:
             add(t)
     t.add_argument("--max-data-tokens", type=_positive_int, default=None, help="read only this many tokens")
+    t.add_argument("--cache-hidden-gb", type=float, default=None,
+                   help="tokens-only data: keep up to this many GB of recomputed hidden states in memory for later "
+                        "epochs (default: half the memory available at start; 0: recompute every batch)")
     t.add_argument("--eval-fraction", type=float, default=0.02)
     t.add_argument("--max-minutes", type=float, default=None,
                    help="stop training after this long (then evaluate and save as at the end)")

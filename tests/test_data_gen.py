@@ -154,9 +154,45 @@ def test_recomputed_hidden_states_equal_a_direct_forward(tiny, tmp_path):
             torch.testing.assert_close(got.float(), ref.hidden[c][0].float(), atol=1e-3, rtol=8e-3)  # bf16 rounding
 
 
+def test_recomputed_states_are_kept_within_the_budget_and_reread(tiny, tmp_path):
+    """Later epochs read the states an earlier batch recomputed (equal to a fresh recompute), only within the
+    memory budget; a budget of 0 keeps nothing; mixed groups (some kept, some not) recompute only the missing."""
+    from specloom.training.dataset import DistillData
+
+    t = tiny("llama")
+    out = str(tmp_path / "d")
+    assert main(["data", "--target", t.path, "--prompts", _prompts(tmp_path / "p.jsonl", 8), "--out", out,
+                 "--max-new-tokens", "6", "--dtype", "fp32"]) == 0
+    L = t.model.config.num_layers
+    ref = DistillData(out, (1, L))
+    ref.attach(t.model)  # budget 0
+    group = list(range(len(ref.seqs)))
+    want = ref.collate(group, 1024)
+    assert ref.cached_bytes == 0 and all(h is None for _, _, h in ref.seqs)
+    data = DistillData(out, (1, L))
+    per_seq = [len(s[0]) * 2 * t.model.config.hidden_size * 2 for s in data.seqs]
+    data.attach(t.model, cache_bytes=per_seq[0] + per_seq[1])
+    first = data.collate(group[:2], 1024)
+    assert data.cached_bytes == per_seq[0] + per_seq[1]
+    assert data.seqs[0][2] is not None and data.seqs[2][2] is None
+    calls = []
+    orig = data.recompute
+    data.recompute = lambda tok: (calls.append(tok.shape[0]), orig(tok))[1]
+    got = data.collate(group, 1024)  # rows 0, 1 read back; the rest recomputed (budget spent: not kept)
+    assert calls == [len(group) - 2] and data.cached_bytes == per_seq[0] + per_seq[1]
+    for c in (1, L):
+        for r, i in enumerate(group):
+            n = len(data.seqs[i][0])
+            torch.testing.assert_close(got["hidden"][c][r, :n].float(), want["hidden"][c][r, :n].float(),
+                                       atol=1e-3, rtol=8e-3)
+        n0 = len(data.seqs[0][0])
+        assert torch.equal(first["hidden"][c][0, :n0], data.seqs[0][2][c])  # what was kept is what was served
+
+
 def test_draft_vocab_from_coverage_and_warm_start(tiny):
     from specloom.drafters.eagle.model import EagleDraftModel, eagle_config_for
-    from specloom.drafters.eagle.trainer import draft_vocab_size, warm_start
+    from specloom.drafters.eagle.trainer import warm_start
+    from specloom.training.common import draft_vocab_size
     from specloom.errors import SpecloomError
 
     counts = torch.zeros(2000, dtype=torch.long)

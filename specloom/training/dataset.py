@@ -71,10 +71,15 @@ class DistillData:
         self.num_answer_tokens = sum(int(m.sum()) for _, m, _ in self.seqs)
         self.ids = ids
         self.target = None
+        self.cache_budget = 0  # bytes of recomputed hidden states kept for later epochs (`keep_recomputed`)
+        self.cached_bytes = 0
 
-    def attach(self, target) -> None:
-        """The frozen target that recomputes hidden states for shards that do not store them."""
+    def attach(self, target, cache_bytes: int = 0) -> None:
+        """The frozen target that recomputes hidden states for shards that do not store them. `cache_bytes`: keep
+        up to this many bytes of recomputed states in memory, so later epochs (and repeated held-out evaluations)
+        read them instead of running the target again."""
         self.target = target
+        self.cache_budget = int(cache_bytes)
 
     @torch.inference_mode()
     def recompute(self, tokens: torch.Tensor) -> dict:
@@ -132,18 +137,32 @@ class DistillData:
         tokens = torch.zeros(B, T, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         mask = torch.zeros(B, T, dtype=torch.bool)
-        stored = self.seqs[group[0]][2] is not None
-        hidden = {c: torch.zeros(B, T, self.seqs[group[0]][2][c].shape[-1], dtype=torch.bfloat16)
-                  for c in self.ids} if stored else {}
         for r, i in enumerate(group):
-            t, m, h = self.seqs[i]
+            t, m, _ = self.seqs[i]
             n = min(len(t), T)
             tokens[r, :n] = t[:n]
             valid[r, :n] = True
             mask[r, :n] = m[:n]
-            if stored:
-                for c in self.ids:
-                    hidden[c][r, :n] = h[c][:n]
-        if not stored and self.ids:
-            hidden = self.recompute(tokens)
+        if not self.ids:
+            return {"tokens": tokens, "valid": valid, "loss_mask": mask, "hidden": {}}
+        missing = [r for r, i in enumerate(group) if self.seqs[i][2] is None]
+        if missing:  # tokens-only rows: one target pass over them (and keep their states while the budget lasts)
+            fresh = self.recompute(tokens[missing])
+            for k, r in enumerate(missing):
+                i = group[r]
+                n = min(len(self.seqs[i][0]), T)
+                size = n * sum(fresh[c].shape[-1] for c in self.ids) * 2
+                if n == len(self.seqs[i][0]) and self.cached_bytes + size <= self.cache_budget:
+                    t, m, _ = self.seqs[i]
+                    self.seqs[i] = (t, m, {c: fresh[c][k, :n].to("cpu", copy=True) for c in self.ids})
+                    self.cached_bytes += size
+        else:
+            fresh = None
+        width = {c: (fresh[c] if fresh is not None else self.seqs[group[0]][2][c]).shape[-1] for c in self.ids}
+        hidden = {c: torch.zeros(B, T, width[c], dtype=torch.bfloat16) for c in self.ids}
+        pos = {r: k for k, r in enumerate(missing)}
+        for r, i in enumerate(group):
+            n = min(len(self.seqs[i][0]), T)
+            for c in self.ids:
+                hidden[c][r, :n] = fresh[c][pos[r], :n] if r in pos else self.seqs[i][2][c][:n]
         return {"tokens": tokens, "valid": valid, "loss_mask": mask, "hidden": hidden}

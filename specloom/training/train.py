@@ -31,6 +31,19 @@ RESUME_KEYS = ("kind", "lr", "tokens_per_batch", "ttt_steps", "draft_vocab", "lo
                "draft_layers")
 
 
+def _cache_bytes(args) -> int:
+    """Memory for recomputed hidden states: --cache-hidden-gb, or half of what is available now."""
+    gb = getattr(args, "cache_hidden_gb", None)
+    if gb is not None:
+        if gb < 0:
+            raise SpecloomError(f"--cache-hidden-gb must be >= 0, got {gb}")
+        return int(gb * 2 ** 30)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def load_trainers() -> dict:
     """Import every drafter kind's trainer modules (named by the kind's record), which register themselves."""
     from ..drafters import KINDS
@@ -76,9 +89,9 @@ def run_training(args) -> dict:
     if not data.meta.get("capture") and dev.type == "cpu":
         # hidden states are recomputed per batch: by a second copy of the target in the host's packed inference
         # layout (1.6x faster here than the unpacked copy the trainers read weights from; +1 model in memory)
-        data.attach(load_target(args.target, "bf16", progress=False, device=dev)[0])
+        data.attach(load_target(args.target, "bf16", progress=False, device=dev)[0], _cache_bytes(args))
     else:
-        data.attach(target)
+        data.attach(target, _cache_bytes(args))
     fp = data.meta.get("fingerprint", {})
     from ..fingerprint import compare, fingerprint
 
@@ -88,6 +101,9 @@ def run_training(args) -> dict:
     train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)", file=sys.stderr, flush=True)
+    for key, value in TRAINERS[args.kind].arg_defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     tr = TRAINERS[args.kind](target, tokenizer, data, args)
     tr.model.to(dev)  # built on the CPU (the draft model trainer's: already on the target's device)
     if args.init_from:
