@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait for a free sequence slot before new ones get 429 "
                          "(default: 4 x the pool's sequences)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    sv.add_argument("--special-tokens-in-input", action="store_true",
+                    help="parse special-token strings (e.g. <|im_end|>) in message content and completions prompts "
+                         "as special tokens (default: plain text, so content cannot forge a chat turn)")
     _device(sv)
 
     bs = sub.add_parser("bench-serve", help="throughput and latency vs concurrency through the server: speculation "
@@ -366,16 +369,21 @@ def _serve(args) -> int:
     from .loading import parse_dtype
     from .serving.api import parse_size
 
+    from .serving.listen import listen
+
     logging.getLogger("specloom.serve").setLevel(logging.INFO)  # admission, pool size, load-aware depth changes
     budget = parse_size(args.memory_budget)  # checked before the model loads
+    sock = listen(args.host, args.port)  # so is the port: taken or out of range is one line, at once
+    port = sock.getsockname()[1]
     engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
                   device=args.device)
     kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
     server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
-                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False)
+                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False,
+                    special_tokens_in_input=args.special_tokens_in_input)
     m = server.memory
     mib = 2 ** 20
-    print(f"specloom: serving {server.model_name} on http://{args.host}:{args.port}/v1 -- {m['rows']} sequences of "
+    print(f"specloom: serving {server.model_name} on http://{args.host}:{port}/v1 -- {m['rows']} sequences of "
           f"{m['row_tokens']} tokens; target weights {m['target_weights'] / mib:.0f} MiB, drafter weights "
           f"{m['drafter_weights'] / mib:.0f} MiB, KV pool {server.scheduler.pool.nbytes / mib:.0f} MiB; speculation "
           f"{server.scheduler.policy.mode}", file=sys.stderr, flush=True)
@@ -384,7 +392,7 @@ def _serve(args) -> int:
     uv.install_signal_handlers = lambda: None  # signals stay with the main thread
 
     def http():
-        uv.run()
+        uv.run(sockets=[sock])
         server.scheduler.close()  # the HTTP server stopped (e.g. the port was taken): stop scheduling too
 
     threading.Thread(target=http, daemon=True).start()

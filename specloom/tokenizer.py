@@ -49,14 +49,24 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf(text, add_special_tokens=True)["input_ids"])
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """`text` with the tokenizer's BOS (if it adds one). `special=False`: special-token strings in the text
+        (e.g. "<|im_end|>") are ordinary text, not the special tokens."""
+        return list(self.hf(text, add_special_tokens=True, split_special_tokens=not special)["input_ids"])
 
-    def encode_chat(self, messages: list[dict], **template_kwargs) -> list[int]:
+    def encode_chat(self, messages: list[dict], special_in_content: bool = False, **template_kwargs) -> list[int]:
         """The chat template applied to `messages` with the generation prompt; `template_kwargs` (e.g.
-        `tools=[...]`) go to the template as they are."""
+        `tools=[...]`) go to the template as they are. The template's own markers are special tokens; special-token
+        strings inside the messages or the template arguments are plain text (so content cannot forge a turn),
+        unless `special_in_content`."""
         if not self.has_chat_template:
             raise SpecloomError("this model has no chat template: use a raw prompt (drop --chat)")
+        if not special_in_content:
+            from .chat_plain import encode_chat_plain
+
+            plain = encode_chat_plain(self.hf, messages, template_kwargs)
+            if plain is not None:
+                return plain
         ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]

@@ -1,10 +1,14 @@
 """OpenAI-compatible HTTP API over one `Engine`, served by the continuous-batching scheduler (serving/batch.py).
 
-Endpoints: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming
-with `stream_options.include_usage`, `n`, `stop`, `seed`, `temperature`, `top_p`, `max_tokens`; `tools` /
-`tool_choice` and `response_format` through serving/tools.py and grammar.py). Errors use OpenAI's body
-`{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404 / 429; the API key (when set) is checked on
-every `/v1` route. `/metrics`: Prometheus counters, gauges and histograms (serving/metrics.py).
+Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (a text, texts, token
+ids or lists of token ids), `POST /v1/chat/completions` (SSE streaming with `stream_options.include_usage`, `n`,
+`stop`, `seed`, `temperature`, `top_p`, `max_tokens`; `tools` / `tool_choice` and `response_format` through
+serving/tools.py and grammar.py). Every body is read under a size and nesting limit (serving/request_body.py) and
+checked against its pydantic model (serving/schemas.py, also the OpenAPI document's request schemas) before
+anything else. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404 /
+413 / 429; the API key (when set) is checked on every `/v1` route, in constant time. Special-token strings in
+message content and prompts are plain text unless the server is told otherwise. `/metrics`: Prometheus counters,
+gauges and histograms (serving/metrics.py).
 
 Every choice of a request is one `Sequence` in the scheduler; the pool holds as many as the memory budget allows
 (`plan_memory`), a full queue answers 429. Streaming runs the scheduler's per-step callback through the
@@ -16,6 +20,7 @@ rows are freed before the next step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -26,18 +31,9 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (pos
 
 from ..errors import SpecloomError
 from .detokenize import IncrementalDetokenizer
+from .http_errors import APIError
 
 log = logging.getLogger("specloom.serve")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def _int(body: dict, key: str, default, lo: int, hi: int):
@@ -159,7 +155,8 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
 class Server:
     def __init__(self, engine, model_name: str, api_key: str | None = None, max_num_seqs: int = 16,
                  memory_budget: int | str | None = None, speculation: str | None = None, cost=None,
-                 max_queue: int | None = None, kv_dtype=None, start: bool = True):
+                 max_queue: int | None = None, kv_dtype=None, start: bool = True,
+                 special_tokens_in_input: bool = False, max_body_bytes: int | None = None):
         from .batch import BatchScheduler
         from .load_aware import batch_cost_cached
         from .metrics import Metrics
@@ -167,6 +164,10 @@ class Server:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
+        self.special_tokens_in_input = special_tokens_in_input  # True: the old behaviour (content may hold specials)
+        from .request_body import MAX_BODY_BYTES
+
+        self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
         self.memory = plan_memory(engine, max_num_seqs, parse_size(memory_budget), kv_dtype)
@@ -201,8 +202,8 @@ class Server:
             "n": _int(body, "n", 1, 1, self.max_n),
             "seed": _int(body, "seed", None, -(2 ** 63), 2 ** 63 - 1),
             "stop": _stop(body),
-            "stream": bool(body.get("stream", False)),
-            "include_usage": bool(so.get("include_usage", False)),
+            "stream": body.get("stream") is True,
+            "include_usage": so.get("include_usage") is True,
             "logprobs": _logprobs_setting(body),
         }
 
@@ -219,8 +220,19 @@ class Server:
         except ToolRequestError as e:
             raise APIError(400, e.message, e.param) from None
 
+    def _prompts(self, body: dict, chat: bool, plan) -> list[list[int]]:
+        """The request's prompts as token ids: one for chat; for completions one per prompt (a text, a list of
+        texts, a list of token ids, or a list of token-id lists)."""
+        if chat:
+            return [self._prompt_ids(body, True, plan)]
+        p = body.get("prompt")
+        if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            return [self._prompt_ids({"prompt": x}, False, plan) for x in p]
+        return [self._prompt_ids(body, False, plan)]
+
     def _prompt_ids(self, body: dict, chat: bool, plan) -> list[int]:
         tok = self.engine.tokenizer
+        plain = not self.special_tokens_in_input
         if chat:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs or not all(
@@ -232,19 +244,17 @@ class Server:
             for m in msgs:
                 c = m.get("content")
                 if isinstance(c, list):  # OpenAI content parts: keep the text parts
-                    c = "".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+                    c = "".join(p["text"] for p in c if isinstance(p, dict) and p.get("type") == "text"
+                                and isinstance(p.get("text"), str))
                 if c is not None and not isinstance(c, str):
                     raise APIError(400, "message content must be a string or a list of text parts", "messages")
                 clean.append({**{k: v for k, v in m.items() if k != "content"}, "content": c or ""})
             try:
-                if plan is not None and plan.template_kwargs:
-                    return tok.encode_chat(clean, **plan.template_kwargs)
-                return tok.encode_chat(clean)
+                kwargs = plan.template_kwargs if plan is not None and plan.template_kwargs else {}
+                return tok.encode_chat(clean, special_in_content=not plain, **kwargs)
             except SpecloomError as e:
                 raise APIError(400, str(e), "messages") from None
         p = body.get("prompt")
-        if isinstance(p, list) and len(p) == 1:
-            p = p[0]
         if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
             vocab = self.engine.model.config.vocab_size
             if min(p) < 0 or max(p) >= vocab:
@@ -252,25 +262,37 @@ class Server:
             return list(p)
         if not isinstance(p, str) or not p:
             raise APIError(400, "prompt must be a non-empty string (or a list of token ids)", "prompt")
-        return tok.encode(p)
+        return tok.encode(p, special=not plain)
 
     def _prepare(self, body: dict, chat: bool):
+        """(options, prompts, plan), every field checked: the body against its pydantic model, then the ranges
+        that depend on this server."""
+        from .schemas import validate_body
+
+        validate_body(body, chat)
         o = self._common(body)
         plan = self._plan(body, chat)
-        ids = self._prompt_ids(body, chat, plan)
-        if len(ids) + o["max_tokens"] > self.engine.max_model_len:
-            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {o['max_tokens']}: together "
-                                f"they exceed the model's context of {self.engine.max_model_len} tokens", "max_tokens")
-        return o, ids, plan
+        prompts = self._prompts(body, chat, plan)
+        if len(prompts) * o["n"] > self.max_n:
+            raise APIError(400, f"{len(prompts)} prompts x n={o['n']} is {len(prompts) * o['n']} sequences; this "
+                                f"server runs at most {self.max_n} at once", "prompt")
+        for ids in prompts:
+            if len(ids) + o["max_tokens"] > self.engine.max_model_len:
+                raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {o['max_tokens']}: "
+                                    f"together they exceed the model's context of {self.engine.max_model_len} tokens",
+                               "max_tokens")
+        return o, prompts, plan
 
     # -- generation ------------------------------------------------------------------------------------------
-    def _submit(self, ids: list[int], o: dict, plan, callbacks=None) -> list:
-        """Queue the request's n sequences (each its own seed: seed + i, and its own grammar state)."""
+    def _submit(self, prompts: list[list[int]], o: dict, plan, callbacks=None) -> list:
+        """Queue n sequences per prompt (choice index k = prompt * n + i; each its own seed: seed + i, and its
+        own grammar state)."""
         from ..sampling import SamplingParams
         from .batch import QueueFull, Sequence
 
         seqs = []
-        for i in range(o["n"]):
+        for k in range(len(prompts) * o["n"]):
+            ids, i = prompts[k // o["n"]], k % o["n"]
             constraint = None
             if plan is not None and plan.grammar is not None:
                 from .grammar import compile_constraint
@@ -279,7 +301,7 @@ class Server:
             params = SamplingParams(temperature=o["temperature"], top_p=o["top_p"],
                                     seed=None if o["seed"] is None else o["seed"] + i)
             seqs.append(Sequence(ids, o["max_tokens"], params, o["stop"], constraint=constraint,
-                                 on_tokens=callbacks[i] if callbacks else None, logprobs=o["logprobs"]))
+                                 on_tokens=callbacks[k] if callbacks else None, logprobs=o["logprobs"]))
         try:
             self.scheduler.submit(seqs)
         except QueueFull as e:
@@ -335,12 +357,13 @@ class Server:
 
     def complete(self, body: dict, chat: bool, gone: threading.Event | None = None) -> dict:
         """A non-streamed response. `gone` set (the client disconnected): cancel the request's sequences."""
-        o, ids, plan = self._prepare(body, chat)
-        seqs = self._submit(ids, o, plan)
+        o, prompts, plan = self._prepare(body, chat)
+        seqs = self._submit(prompts, o, plan)
         while gone is not None and not all(s.done.wait(0.2) for s in seqs):
             if gone.is_set():
                 for s in seqs:
                     s.cancel()
+                self.metrics.abort()
                 raise APIError(499, "the client closed the request", None, "client_closed")
         choices, completion = [], 0
         for i, seq in enumerate(seqs):
@@ -357,19 +380,19 @@ class Server:
         return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "object":
                 "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.model_name, "choices": choices,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                          "total_tokens": len(ids) + completion}}
+                "usage": {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion,
+                          "total_tokens": sum(map(len, prompts)) + completion}}
 
     async def stream(self, body: dict, chat: bool, is_disconnected):
         """Yields SSE lines. Parsing, validation and admission happen before the first byte (errors stay HTTP
         errors, a full queue is a 429)."""
-        o, ids, plan = self._prepare(body, chat)
+        o, prompts, plan = self._prepare(body, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        n = o["n"]
+        n = len(prompts) * o["n"]  # choices
         detoks = [IncrementalDetokenizer(self.engine.tokenizer) for _ in range(n)]
         holds = [_StopHold(o["stop"]) for _ in range(n)]
         parsers = [_new_parser(plan.parser) if chat and plan is not None and plan.parser else None for _ in range(n)]
@@ -384,7 +407,7 @@ class Server:
                 return True
             return on_tokens
 
-        seqs = self._submit(ids, o, plan, [make_cb(i) for i in range(n)])
+        seqs = self._submit(prompts, o, plan, [make_cb(i) for i in range(n)])
         for i, seq in enumerate(seqs):
             def waiter(i=i, seq=seq):
                 seq.done.wait()
@@ -455,15 +478,18 @@ class Server:
                     yield chunk(i, finish="tool_calls" if called[i] else ("length" if r.finish_reason == "length"
                                                                           else "stop"))
                 if o["include_usage"]:
+                    used = sum(map(len, prompts))
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": created,
                                                  "model": self.model_name, "choices": [],
-                                                 "usage": {"prompt_tokens": len(ids), "completion_tokens": completion,
-                                                           "total_tokens": len(ids) + completion}}) + "\n\n"
+                                                 "usage": {"prompt_tokens": used, "completion_tokens": completion,
+                                                           "total_tokens": used + completion}}) + "\n\n"
                 yield "data: [DONE]\n\n"
             finally:  # the client went away (or we are done): stop and free whatever still runs
-                for seq in seqs:
-                    if not seq.done.is_set():
-                        seq.cancel()
+                running = [seq for seq in seqs if not seq.done.is_set()]
+                for seq in running:
+                    seq.cancel()
+                if running:
+                    self.metrics.abort()
 
         return gen()
 
@@ -496,21 +522,36 @@ def _tool_call_json(call, index: int, stream: bool = False) -> dict:
     return {"index": index, **d} if stream else d
 
 
+def bearer_ok(header: str, key: str) -> bool:
+    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it), the key compared in constant
+    time."""
+    scheme, _, given = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+
+
 def build_app(server: Server):
     from fastapi import FastAPI
+    from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, StreamingResponse
+
+    from .request_body import parse_json, read_body
+    from .schemas import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components
 
     app = FastAPI(title="specloom")
 
     def error(e: APIError):
+        server.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
     def denied(request: Request):
         """The 401 response when an API key is set and the request does not carry it (checked in each /v1 handler:
         an HTTP middleware would wrap `receive` and hide client disconnects from the handlers)."""
-        if server.api_key and request.headers.get("authorization", "") != f"Bearer {server.api_key}":
+        if server.api_key and not bearer_ok(request.headers.get("authorization", ""), server.api_key):
             return error(APIError(401, "Incorrect API key provided", None, "invalid_api_key", "authentication_error"))
         return None
+
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specloom"}
 
     @app.get("/health")
     async def health():
@@ -526,20 +567,24 @@ def build_app(server: Server):
     async def models(request: Request):
         if (resp := denied(request)) is not None:
             return resp
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "specloom"}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        if (resp := denied(request)) is not None:
+            return resp
+        if model_id != server.model_name:
+            return error(APIError(404, f"The model {model_id!r} does not exist (this server serves "
+                                       f"{server.model_name!r})", "model", "model_not_found"))
+        return model_card()
 
     async def handle(request: Request, chat: bool):
         if (resp := denied(request)) is not None:
             return resp
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return error(APIError(400, f"the request body is not valid JSON: {e}"))
-        if not isinstance(body, dict):
-            return error(APIError(400, "the request body must be a JSON object"))
-        try:
-            if body.get("stream"):
+            raw = await read_body(request, server.max_body_bytes)
+            body = parse_json(raw) if len(raw) < 2 ** 16 else await asyncio.to_thread(parse_json, raw)
+            if body.get("stream") is True:
                 gen = await server.stream(body, chat, request.is_disconnected)
                 return StreamingResponse(gen, media_type="text/event-stream")
             gone = threading.Event()
@@ -551,13 +596,25 @@ def build_app(server: Server):
             return JSONResponse(task.result())
         except APIError as e:
             return error(e)
+        except Exception:  # a bug, not the client's fault: one clear 500 body, the traceback in the log only
+            log.exception("request failed")
+            return error(APIError(500, "internal error while handling the request (see the server log)", None,
+                                  "internal_error", "server_error"))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await handle(request, True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request):
         return await handle(request, False)
 
+    def openapi():  # FastAPI's document plus the request models the routes refer to
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(openapi_components())
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -1,6 +1,6 @@
 """Prometheus metrics for `/metrics`, with vLLM's names where one exists (`vllm:` -> `specloom:`).
 
-Counters: requests (by finish reason), prompt and generation tokens, speculative drafts, draft tokens, accepted
+Counters: requests (by finish reason), requests aborted by their client, error responses (by status), prompt and generation tokens, speculative drafts, draft tokens, accepted
 tokens, accepted tokens per draft position (`position` label); histograms: end-to-end request latency and time to
 first token; gauges from the scheduler: running and waiting requests, KV pool usage (rows and slots), the draft
 depth chosen at the last step; counters of scheduler steps, batch sizes and chosen depths (mean depth per step =
@@ -43,6 +43,8 @@ class Metrics:
         self.labels = f'model_name="{model_name}"'
         self.lock = threading.Lock()
         self.requests: dict[str, int] = {}
+        self.aborted = 0  # requests whose client went away before they finished
+        self.errors: dict[int, int] = {}  # error responses by HTTP status
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.drafts = 0
@@ -68,6 +70,14 @@ class Metrics:
             self.depth_sum += sum(depths) / max(1, len(depths))
             self.last_depths = list(depths)
 
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted += 1
+
+    def error(self, status: int) -> None:
+        with self.lock:
+            self.errors[status] = self.errors.get(status, 0) + 1
+
     def record(self, result, seconds: float, ttft: float | None) -> None:
         """One finished generation (an Engine GenerationResult)."""
         with self.lock:
@@ -92,7 +102,10 @@ class Metrics:
             out = ["# TYPE specloom:request_success_total counter"]
             out += [f'specloom:request_success_total{{{L},finished_reason="{r}"}} {n}' for r, n in
                     sorted(self.requests.items())]
-            for name, v in (("prompt_tokens_total", self.prompt_tokens),
+            out.append("# TYPE specloom:request_errors_total counter")
+            out += [f'specloom:request_errors_total{{{L},status="{c}"}} {n}' for c, n in sorted(self.errors.items())]
+            for name, v in (("request_aborted_total", self.aborted),
+                            ("prompt_tokens_total", self.prompt_tokens),
                             ("generation_tokens_total", self.generation_tokens),
                             ("spec_decode_num_drafts_total", self.drafts),
                             ("spec_decode_num_draft_tokens_total", self.draft_tokens),

@@ -1,0 +1,130 @@
+"""Pydantic models of the request bodies (OpenAI's field names and types; strict: `"stream": "no"` is a 400, not a
+truthy string), used to validate each body before it is planned and to give the OpenAPI document real request
+schemas. Ranges that depend on the server (max_tokens against the context, n against the pool) are checked by the
+server itself. Fields OpenAI has and specloom ignores (e.g. `user`, `frequency_penalty`) are accepted."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
+from pydantic import model_validator
+
+from .http_errors import APIError
+
+Number = Union[StrictInt, StrictFloat]
+Int64 = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Open):
+    type: StrictStr
+    text: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _text_part(self):
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs \"text\": a string")
+        return self
+
+
+class ChatMessage(_Open):
+    role: StrictStr
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class FunctionDef(_Open):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Open):
+    type: StrictStr = Field(description='"function"')
+    function: FunctionDef
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool | None = None
+
+
+class _Sampling(_Open):
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, gt=0, le=1)
+    n: StrictInt | None = Field(default=None, ge=1)
+    seed: StrictInt | None = Int64
+    stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=4)
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
+        description="text, a list of texts, a list of token ids, or a list of token-id lists")
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
+    echo: StrictBool | None = None
+
+
+def _path(loc) -> str:
+    """pydantic's location without its union-member tags: ('messages', 0, 'content') -> 'messages[0].content'."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in ("str", "int", "float", "bool", "dict", "list") or part[:1].isupper():
+            continue  # 'list[str]', 'function-after[...]', 'ContentPart': the union member tried, not a field
+        else:
+            out += ("." if out else "") + part
+    return out
+
+
+def validate_body(body: dict, chat: bool) -> None:
+    """Raise APIError(400) naming the first field that does not fit the request model."""
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        model.model_validate(body)
+    except ValidationError as e:
+        errs = e.errors(include_url=False, include_input=False)
+        top = errs[0]["loc"][:1]
+        # a union tries each member: report the member that got furthest, and every reason given there
+        deepest = max((x for x in errs if x["loc"][:1] == top), key=lambda x: len(_path(x["loc"])))
+        where = _path(deepest["loc"])
+        reasons = dict.fromkeys(x["msg"] for x in errs if x["loc"][:1] == top and _path(x["loc"]) == where)
+        msg = "; or ".join(reasons)
+        msg = f"{where}: {msg}" if where else msg
+        raise APIError(400, f"invalid request: {msg}", where or None) from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route whose handler reads the raw body: the model's schema as its request body."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def openapi_components() -> dict:
+    """The request models and everything they refer to, as OpenAPI component schemas."""
+    from pydantic.json_schema import models_json_schema
+
+    _, top = models_json_schema([(m, "validation") for m in (ChatCompletionRequest, CompletionRequest)],
+                                ref_template="#/components/schemas/{model}")
+    return top.get("$defs", {})
