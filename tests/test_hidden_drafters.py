@@ -36,14 +36,16 @@ def make_eagle(t, path, eagle3: bool, seed=0, draft_vocab=None):
     return path
 
 
-def make_medusa(t, path, heads=3, seed=0):
-    m = MedusaHeads(t.model.config.hidden_size, heads)
+def make_medusa(t, path, heads=3, seed=0, token_map=None, own=False):
+    """Random Medusa heads (`token_map`: a truncated head vocabulary; `own`: own output layers, Medusa v0.1)."""
+    rows = t.model.config.vocab_size if token_map is None else len(token_map)
+    m = MedusaHeads(t.model.config.hidden_size, heads, 1, rows if own else None, token_map)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in m.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     save_drafter("medusa", m, path, specloom_meta("medusa", t.model, t.tokenizer, (t.model.config.num_layers,)),
-                 dtype=torch.float32)
+                 dtype=torch.float32, fmt="v0.1" if own else "v2")
     return path
 
 

@@ -68,6 +68,32 @@ def test_train_loss_decreases_and_checkpoint_drafts(dataset, kind, extra):
         assert a.token_ids == b.token_ids
 
 
+def test_train_medusa_truncated_vocab(dataset, capsys):
+    """`--draft-vocab N`: the heads score the N most frequent answer tokens (token_map in the checkpoint); the
+    loss falls, the held-out top-k accuracies are measured through the map and the drafter decodes exactly."""
+    from specloom.drafters.checkpoint import load_drafter
+
+    t, data, root = dataset
+    out = str(root / "ckpt_medusa_tv")
+    hist = _train(t, data, out, "medusa", "--medusa-heads", "2", "--draft-vocab", "32")
+    assert sum(h["loss"] for h in hist[-5:]) < sum(h["loss"] for h in hist[:5]) - 0.1
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["medusa_vocab_size"] == 32 and 0 < cfg["specloom"]["draft_vocab_coverage"] < 1
+    assert len(cfg["specloom"]["topk_accuracy"]) == 2
+    heads, _ = load_drafter(out, "medusa", t.model, t.tokenizer)
+    tm = heads.token_map
+    assert tm.numel() == 32 and bool((tm[1:] > tm[:-1]).all())
+    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "medusa", "model": out}))
+    plain = Engine(t.model, t.tokenizer)
+    for ids in ([5, 6, 7, 8, 9], [30, 31, 12, 40]):
+        a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
+        assert a.token_ids == plain.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True).token_ids
+    capsys.readouterr()
+    assert main(["train", "medusa", "--target", t.path, "--data", data, "--out", str(root / "tv_bad"),
+                 "--draft-vocab", "4", "--steps", "1"]) == 2
+    assert "--draft-vocab must be at least 10 for Medusa" in capsys.readouterr().err
+
+
 def test_training_resumes(dataset):
     t, data, root = dataset
     out = str(root / "resume")

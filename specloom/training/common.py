@@ -28,6 +28,32 @@ def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return -(torch.softmax(target_logits.float(), -1) * torch.log_softmax(logits.float(), -1)).sum(-1)
 
 
+def draft_vocab_size(counts: torch.Tensor, cap: int, coverage: float | None) -> int:
+    """The draft vocabulary: `cap` tokens, or with `coverage`, the fewest most frequent tokens (a multiple of 256,
+    at most `cap`) that cover that share of the answer tokens."""
+    if coverage is None:
+        return cap
+    if not 0.0 < coverage <= 1.0:
+        from ..errors import SpecloomError
+
+        raise SpecloomError(f"--draft-vocab-coverage must lie in (0, 1], got {coverage}")
+    c = counts.sort(descending=True).values.cumsum(0).double()
+    need = int((c < coverage * c[-1]).sum()) + 1
+    return max(256, min(cap, -(-need // 256) * 256))
+
+
+def draft_vocabulary(data, vocab_size: int, cap: int | None, coverage: float | None) -> tuple[torch.Tensor, float]:
+    """A reduced draft vocabulary (EAGLE-3 `d2t`, Medusa `token_map`): the sorted ids of the most frequent answer
+    tokens of `data` (`--draft-vocab` = `cap`, None: the whole vocabulary; `--draft-vocab-coverage`, see
+    `draft_vocab_size`), and the share of the answer tokens they cover."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for t, m, _ in data.seqs:  # the tokens the drafter must predict: the target's answers
+        counts += torch.bincount(t[m], minlength=vocab_size)
+    vd = draft_vocab_size(counts, min(cap or vocab_size, vocab_size), coverage)
+    used = counts.topk(vd).indices.sort().values
+    return used, float(counts[used].sum()) / float(counts.sum().clamp(min=1))
+
+
 def _sample_rows(mask: torch.Tensor, fraction: float, gen: torch.Generator) -> torch.Tensor:
     """Flat indices of a random `fraction` of the True entries of mask (at least one when any)."""
     idx = mask.flatten().nonzero().flatten()
@@ -63,6 +89,7 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
 
 class _Base:
     kind = ""
+    arg_defaults: dict = {}  # options whose default depends on the kind (`run_training` fills them in when None)
 
     def __init__(self, target, tokenizer, data, args):
         self.target, self.tokenizer, self.data, self.args = target, tokenizer, data, args

@@ -8,21 +8,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...training.common import _Base, _sample_rows, _shift, _soft_ce, trainer
-
-
-def draft_vocab_size(counts: torch.Tensor, cap: int, coverage: float | None) -> int:
-    """The draft vocabulary: `cap` tokens, or with `coverage`, the fewest most frequent tokens (a multiple of 256,
-    at most `cap`) that cover that share of the answer tokens."""
-    if coverage is None:
-        return cap
-    if not 0.0 < coverage <= 1.0:
-        from ...errors import SpecloomError
-
-        raise SpecloomError(f"--draft-vocab-coverage must lie in (0, 1], got {coverage}")
-    c = counts.sort(descending=True).values.cumsum(0).double()
-    need = int((c < coverage * c[-1]).sum()) + 1
-    return max(256, min(cap, -(-need // 256) * 256))
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, trainer
 
 
 def warm_start(model, target, layer: int) -> None:
@@ -58,13 +44,12 @@ def warm_start(model, target, layer: int) -> None:
 def add_arguments(t) -> None:
     t.add_argument("--warm-start-layer", type=int, default=None,
                    help="eagle3: start the draft layer from this target layer (e.g. -1: the last)")
-    t.add_argument("--draft-vocab-coverage", type=float, default=None,
-                   help="eagle3: choose the draft vocabulary as the fewest tokens covering this share of the "
-                        "answer tokens (at most --draft-vocab)")
 
 
 @trainer("eagle3")
 class Eagle3Trainer(_Base):
+    arg_defaults = {"draft_vocab": 8192}
+
     @classmethod
     def data_ids(cls, L):
         from ...training.selfdistill import eagle3_layer_ids
@@ -77,12 +62,9 @@ class Eagle3Trainer(_Base):
         from ...training.selfdistill import eagle3_layer_ids
 
         self.feature_ids = eagle3_layer_ids(self.L)
-        counts = torch.zeros(target.config.vocab_size, dtype=torch.long)
-        for t, m, _ in data.seqs:  # the tokens the drafter must predict: the target's answers
-            counts += torch.bincount(t[m], minlength=counts.numel())
-        vd = draft_vocab_size(counts, min(args.draft_vocab, target.config.vocab_size),
-                              getattr(args, "draft_vocab_coverage", None))
-        used = counts.topk(vd).indices.sort().values
+        used, coverage = draft_vocabulary(data, target.config.vocab_size, args.draft_vocab,
+                                          getattr(args, "draft_vocab_coverage", None))
+        vd = used.numel()
         cfg = eagle_config_for(target.config, True, self.feature_ids, vd)
         self.model = EagleDraftModel(cfg)
         init_weights(self.model, args.seed)
@@ -97,7 +79,6 @@ class Eagle3Trainer(_Base):
             self.model.lm_head.weight.copy_(self.head_w[used].float())
             self.model.norm.weight.copy_(target.norm.weight.float())
         self.model.attach_target(target)
-        coverage = float(counts[used].sum()) / float(counts.sum().clamp(min=1))
         self.coverage = coverage
         print(f"specloom train: draft vocabulary {vd} tokens covers {coverage:.1%} of the answer tokens",
               file=sys.stderr)

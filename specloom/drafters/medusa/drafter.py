@@ -6,6 +6,12 @@ heads own an LM head, `{k}.{num_layers}.weight` (Medusa v0.1). Without own heads
 default here: 5 heads cost 1.7M parameters instead of 140M) the target's LM head scores every head. ResBlocks are
 independent modules (as vLLM; the reference ties them when num_layers > 1), W zero-initialised.
 
+Truncated head vocabulary (vLLM's `token_map` idea): with a `token_map` buffer (sorted target ids, V_d of them)
+the heads score only those tokens -- shared heads through the target's LM-head rows for them (a V_d x H copy made
+at attach time), own heads through their V_d-row output layers -- and head ids map back through `token_map`.
+SmolLM2-135M's 49,152-token head is most of a Medusa step; 4096 rows cost a twelfth. Drafts only: verification
+scores every token, so the output is unchanged.
+
 Drafting: no drafter pass at all. The verification pass already computed the hidden state at the deepest accepted
 node; the heads turn it into top-10 lists and the static tree `medusa_choices` (paths of top-k ranks, one head
 per depth) picks the candidates. Candidates are deterministic, so the verifier treats them as one-hot drafts:
@@ -36,7 +42,8 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.ModuleList):
-    def __init__(self, hidden: int, num_heads: int, num_layers: int = 1, vocab: int | None = None):
+    def __init__(self, hidden: int, num_heads: int, num_layers: int = 1, vocab: int | None = None,
+                 token_map: torch.Tensor | None = None):
         heads = []
         for _ in range(num_heads):
             mods = [ResBlock(hidden) for _ in range(num_layers)]
@@ -45,15 +52,33 @@ class MedusaHeads(nn.ModuleList):
             heads.append(nn.Sequential(*mods))
         super().__init__(heads)
         self.hidden, self.num_heads, self.num_layers, self.vocab = hidden, num_heads, num_layers, vocab
-        self._shared = {"head": None}  # the target's LM head: not owned, kept out of the module tree
+        self.register_buffer("token_map", None if token_map is None else token_map.long())
+        self._shared = {"head": None}  # the target's LM head (or its token_map rows): not owned, not saved
 
-    def attach_target(self, target) -> None:
-        self._shared["head"] = target.lm_head
-        if self.vocab is not None and self.vocab != target.config.vocab_size:
-            raise SpecloomError(f"Medusa heads score {self.vocab} tokens, the target has {target.config.vocab_size}")
+    def attach_target(self, target, pack: bool = False) -> None:
+        """Share the target's LM head; with a token_map and no own heads, a copy of its rows for those tokens
+        (`pack`: in the kernel the host picks for dense drafter weights, as at inference)."""
+        V = target.config.vocab_size
+        full = V if self.token_map is None else self.token_map.numel()
+        if self.vocab is not None and self.vocab != full:
+            raise SpecloomError(f"Medusa heads score {self.vocab} tokens, the target has {V}"
+                                + ("" if self.token_map is None else f" and the token_map holds {full}"))
+        head = target.lm_head
+        if self.token_map is not None and self.vocab is None:
+            w = head.weight
+            sub = nn.Linear(w.shape[1], full, bias=False, device=w.device, dtype=w.dtype).requires_grad_(False)
+            with torch.no_grad():
+                sub.weight.copy_(w.detach()[self.token_map.to(w.device)])
+            holder = nn.ModuleDict({"head": sub})
+            if pack:
+                from ...models.cpu_packing import pack_linears
+
+                pack_linears(holder)
+            head = holder["head"]
+        self._shared["head"] = head
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h (..., H) post-norm target hidden -> (K, ..., V) fp32 logits."""
+        """h (..., H) post-norm target hidden -> (K, ..., V or V_d) fp32 logits over the head vocabulary."""
         x = h.to(self[0][0].linear.weight.dtype)
         if self.vocab:
             return torch.stack([head(x).float() for head in self])
@@ -61,6 +86,10 @@ class MedusaHeads(nn.ModuleList):
         y = torch.stack([head(x) for head in self])
         head_lm = self._shared["head"]
         return head_lm(y.to(head_lm.weight.dtype)).float()
+
+    def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head-vocabulary ids -> target token ids (the identity without a token_map)."""
+        return ids if self.token_map is None else self.token_map[ids]
 
 
 def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_nodes: int) -> list[list[int]]:
@@ -93,7 +122,9 @@ class MedusaDrafter(Drafter):
     def memory(self) -> dict:
         from ..base import module_bytes
 
-        return {"weights": module_bytes(self.heads), "kv_per_1k_tokens": 0}
+        own = self.heads.token_map is not None and self.heads.vocab is None  # the copied LM-head rows
+        return {"weights": module_bytes(self.heads, *([self.heads._shared["head"]] if own else [])),
+                "kv_per_1k_tokens": 0}
 
     def _check_choices(self) -> None:
         have = {tuple(c) for c in self.choices}
@@ -140,7 +171,8 @@ class MedusaDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
         """All rows' heads in one call (K, B, V); each row's static tree cut to its depth."""
-        top = self.heads.logits(torch.stack([c.state["h"] for c in ctxs])).topk(TOPK, dim=-1).indices.tolist()
+        top = self.heads.logits(torch.stack([c.state["h"] for c in ctxs])).topk(TOPK, dim=-1).indices
+        top = self.heads.target_ids(top).tolist()
         trees = []
         for b, ctx in enumerate(ctxs):
             root = ctx.tokens[-1]

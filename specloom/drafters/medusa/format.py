@@ -7,6 +7,8 @@
 * Medusa-1.0/2 (axolotl): the full model's safetensors with `medusa_head.{h}.…` tensors (the base weights in the
   same files are ignored: the target is loaded separately).
 The reference's weight-tied ResBlocks (the same tensor under every layer index) load as independent copies.
+A truncated head vocabulary (specloom's, after vLLM's `token_map`): an int64 tensor `token_map` (V_d sorted,
+distinct target ids) beside the heads and `medusa_vocab_size: V_d` in config.json; own heads then have V_d rows.
 """
 
 from __future__ import annotations
@@ -19,7 +21,31 @@ import torch
 
 from ...errors import SpecloomError
 from ..checkpoint import checkpoint_format, read_tensors, take
-from .drafter import MedusaHeads
+from .drafter import TOPK, MedusaHeads
+
+
+def _token_map(tensors: dict, raw: dict, V: int, where: str) -> torch.Tensor | None:
+    """The checked token_map of a checkpoint (None: the heads score the whole vocabulary)."""
+    size = raw.get("medusa_vocab_size")
+    if "token_map" not in tensors:
+        if size not in (None, V):
+            raise SpecloomError(f"{where}: config.json sets medusa_vocab_size {size} but there is no token_map tensor")
+        return None
+    tm = tensors["token_map"]
+    if tm.dim() != 1 or tm.is_floating_point() or tm.is_complex() or tm.dtype == torch.bool:
+        raise SpecloomError(f"{where}: token_map must be a 1-D integer tensor of target token ids, got "
+                            f"{tm.dtype} of shape {tuple(tm.shape)}")
+    tm = tm.long()
+    if size is not None and size != tm.numel():
+        raise SpecloomError(f"{where}: token_map holds {tm.numel()} ids but config.json sets medusa_vocab_size {size}")
+    if not TOPK <= tm.numel() <= V:
+        raise SpecloomError(f"{where}: token_map holds {tm.numel()} ids; a head vocabulary needs {TOPK} to {V}")
+    if int(tm.min()) < 0 or int(tm.max()) >= V:
+        raise SpecloomError(f"{where}: token_map ids must lie in [0, {V}) (the target's vocabulary), found "
+                            f"{int(tm.min())}..{int(tm.max())}")
+    if tm.numel() > 1 and not bool((tm[1:] > tm[:-1]).all()):
+        raise SpecloomError(f"{where}: token_map must hold distinct target ids in increasing order")
+    return tm
 
 
 def _files(path: str) -> list[str]:
@@ -57,7 +83,14 @@ class MedusaFormat:
         present = {int(k.split(".")[0]) for k in tensors if k.split(".")[0].isdigit()}
         if present and max(present) + 1 != K:
             K = max(present) + 1
-        heads = MedusaHeads(H, K, nl, V if own_head else None)
+        token_map = _token_map(tensors, raw, V, where)
+        rows = V if token_map is None else token_map.numel()
+        if own_head and tuple(tensors[f"0.{nl}.weight"].shape) != (rows, H):
+            got = tuple(tensors[f"0.{nl}.weight"].shape)
+            raise SpecloomError(f"{where}: head 0's output layer has shape {got}; expected ({rows}, {H}) -- "
+                                + ("the target's vocabulary" if token_map is None else
+                                   f"one row per token_map id ({rows})"))
+        heads = MedusaHeads(H, K, nl, rows if own_head else None, token_map)
         state = {}
         for k in range(K):
             for layer in range(nl):
@@ -65,19 +98,24 @@ class MedusaFormat:
                 state[f"{k}.{layer}.linear.weight"] = w
                 state[f"{k}.{layer}.linear.bias"] = take(tensors, f"{k}.{layer}.linear.bias", (H,), where)
             if own_head:
-                state[f"{k}.{nl}.weight"] = take(tensors, f"{k}.{nl}.weight", (V, H), where)
-        heads.load_state_dict({k: v.to(target.dtype) for k, v in state.items()})
+                state[f"{k}.{nl}.weight"] = take(tensors, f"{k}.{nl}.weight", (rows, H), where)
+        if token_map is not None:
+            state["token_map"] = token_map
+        heads.load_state_dict({k: v.to(target.dtype) if v.is_floating_point() else v for k, v in state.items()})
         heads.to(target.device).eval().requires_grad_(False)
-        heads.attach_target(target)
+        heads.attach_target(target, pack=True)
         return heads
 
     @staticmethod
     def save(heads: MedusaHeads, path: str, meta: dict, dtype=torch.bfloat16, fmt: str = "v2") -> None:
         from safetensors.torch import save_file
 
-        sd = {k: v.detach().cpu().to(dtype).contiguous() for k, v in heads.state_dict().items()}
+        sd = {k: (v.detach().cpu().to(dtype) if v.is_floating_point() else v.detach().cpu()).contiguous()
+              for k, v in heads.state_dict().items()}
         raw = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
                "base_model_name_or_path": meta.get("target", ""), "specloom": meta}
+        if heads.token_map is not None:
+            raw["medusa_vocab_size"] = heads.token_map.numel()
         os.makedirs(path, exist_ok=True)
         if fmt == "v2" and heads.vocab is None:
             raw["version"] = "2"
