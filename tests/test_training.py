@@ -195,3 +195,29 @@ def test_train_mtp_into_a_target_copy_and_target_with_mtp(dataset):
     for ids in ([5, 6, 7, 8, 9], [30, 31, 12, 40]):
         a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
         assert a.token_ids == plain.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True).token_ids
+
+
+def test_eagle3_init_from_another_draft_vocabulary(dataset, capsys):
+    """`--init-from` an EAGLE-3 checkpoint with another draft vocabulary: the layer, fc and norms are copied, the
+    draft head's rows for tokens in both vocabularies too, and the run keeps its own vocabulary."""
+    from specloom.drafters.checkpoint import load_drafter
+
+    t, data, root = dataset
+    a = str(root / "e3_vocab64")
+    _train(t, data, a, "eagle3", "--draft-vocab", "64", "--ttt-steps", "1", "--steps", "4")
+    b = str(root / "e3_vocab32")
+    assert main(["train", "eagle3", "--target", t.path, "--data", data, "--out", b, "--steps", "1", "--lr", "1e-9",
+                 "--tokens-per-batch", "256", "--warmup", "1", "--draft-vocab", "32", "--ttt-steps", "1",
+                 "--init-from", a]) == 0
+    assert "draft-head rows carried over" in capsys.readouterr().err
+    ma, _ = load_drafter(a, "eagle3", t.model, t.tokenizer)
+    mb, _ = load_drafter(b, "eagle3", t.model, t.tokenizer)
+    assert mb.d2t.numel() == 32 and ma.d2t.numel() == 64
+    torch.testing.assert_close(mb.fc.weight.float(), ma.fc.weight.float(), atol=1e-3, rtol=1e-2)
+    ua = (torch.arange(64) + ma.d2t).tolist()
+    ub = (torch.arange(32) + mb.d2t).tolist()
+    both = [i for i, tok in enumerate(ub) if tok in ua]
+    assert both  # the 32 most frequent tokens are among the 64 most frequent
+    for i in both:
+        torch.testing.assert_close(mb.lm_head.weight[i].float(), ma.lm_head.weight[ua.index(ub[i])].float(),
+                                   atol=1e-3, rtol=1e-2)

@@ -83,6 +83,34 @@ class Eagle3Trainer(_Base):
         print(f"specloom train: draft vocabulary {vd} tokens covers {coverage:.1%} of the answer tokens",
               file=sys.stderr)
 
+    def init_from(self, path: str) -> None:
+        """Start from an EAGLE-3 checkpoint whose draft vocabulary may differ from this run's: every tensor of the
+        same shape is copied, and the draft head's rows for tokens in both vocabularies (the rest keep the
+        target's rows); this run's vocabulary (d2t, t2d) is kept."""
+        from ...drafters.checkpoint import load_drafter
+        from ...errors import SpecloomError
+
+        src, _ = load_drafter(path, self.kind, self.target, self.tokenizer)
+        theirs = src.state_dict()
+        own = self.model.state_dict()
+        mismatched = [k for k, v in theirs.items() if k in own and k not in ("d2t", "t2d", "lm_head.weight")
+                      and v.shape != own[k].shape]
+        if mismatched:
+            raise SpecloomError(f"--init-from {path}: its {', '.join(mismatched)} do not match this draft model's "
+                                "shapes (another hidden size or feature layers)")
+        with torch.no_grad():
+            for k, v in theirs.items():
+                if k in own and k not in ("d2t", "t2d", "lm_head.weight"):
+                    own[k].copy_(v.float() if v.is_floating_point() else v)
+            their_used = torch.arange(src.d2t.numel()) + src.d2t.cpu()
+            row = torch.full((self.target.config.vocab_size,), -1, dtype=torch.long)
+            row[their_used] = torch.arange(their_used.numel())
+            hit = row[self.used.cpu()]
+            keep = hit >= 0
+            own["lm_head.weight"][keep] = theirs["lm_head.weight"][hit[keep]].float().to(own["lm_head.weight"].device)
+        print(f"specloom train: initialised from {path} ({int(keep.sum())} of {keep.numel()} draft-head rows "
+              "carried over)", file=sys.stderr)
+
     def loss(self, batch):
         m, a = self.model, self.args
         feats = torch.cat([batch["hidden"][i] for i in self.feature_ids], -1)
