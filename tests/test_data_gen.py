@@ -75,6 +75,32 @@ def test_data_through_the_batch_step_resumes_per_job(tiny, tmp_path, capsys):
     assert "eval/ directory" in capsys.readouterr().err
 
 
+def test_interrupted_data_run_keeps_finished_conversations(tiny, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or SIGTERM) mid-run: the finished conversations still in the shard buffer are written, the exit
+    status is 130, and the same command resumes with the rest."""
+    from specloom.training import selfdistill
+
+    t = tiny("llama")
+    out = str(tmp_path / "d")
+    args = ["data", "--target", t.path, "--prompts", _prompts(tmp_path / "p.jsonl", 12), "--out", out,
+            "--max-new-tokens", "6", "--rows", "3", "--shard-tokens", "100000", "--dtype", "fp32"]
+    real_add = selfdistill.ShardStore.add
+
+    def add(self, *a):
+        real_add(self, *a)
+        if len(self.done_jobs) == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfdistill.ShardStore, "add", add)
+    assert main(args) == 130
+    assert "interrupted; writing the finished conversations" in capsys.readouterr().err
+    assert len([j for d, _ in _shards(out) for j in d["job_ids"].tolist()]) == 5
+    monkeypatch.setattr(selfdistill.ShardStore, "add", real_add)
+    assert main(args) == 0
+    assert "5 stored already" in capsys.readouterr().err
+    assert sorted(j for d, _ in _shards(out) for j in d["job_ids"].tolist()) == list(range(12))
+
+
 def test_sampled_answers_follow_their_seed_not_their_neighbours(tiny, tmp_path):
     """A conversation's sampled answer depends on its own seed only: the same data with 1 row or 6 rows."""
     t = tiny("llama")

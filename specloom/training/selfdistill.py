@@ -30,6 +30,7 @@ import json
 import os
 import random
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -463,8 +464,25 @@ def build_dataset(
         gen.deadline = time.perf_counter() + 60 * max_minutes
     for q in store.queries:  # duplicates of queries stored by an earlier run are dropped too
         gen.filter.remember(q)
-    gen.run(todo)
+    import signal
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: keep what is finished
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    interrupted = False
+    try:
+        gen.run(todo)
+    except KeyboardInterrupt:  # finished conversations are kept; the ones in flight are generated on resume
+        interrupted = True
+        print("\nspecloom data: interrupted; writing the finished conversations (rerun the same command to resume)",
+              file=sys.stderr, flush=True)
+    finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
     store.flush()
     store.write_card()
     store.progress()
+    if interrupted:
+        raise KeyboardInterrupt
     return meta
