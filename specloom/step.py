@@ -6,10 +6,12 @@
     per row: constraint.mask -> verify(tree, logits, params, generator) -> kv.commit(path, row)
     drafter.on_verified(ctxs, results, out); per row: stats, constraint.advance, logprobs, emit (EOS/stop/length)
 
-A failure that belongs to one row (its grammar leaves no token, its sampling, its callback) fails that row
-alone: `row.error` is set, `row.finish` is "error", and the other rows of the step go on. A drafter failure
-turns drafting off for the rows it was drafting for (they continue without speculation: the output is the
-target's either way). Only a failed target pass fails every row of the step.
+A failure that belongs to one row (its grammar leaves no token, its masking, verification, sampling, commit or
+callback) fails that row alone: `row.error` is set, `row.finish` is "error", and the other rows of the step go
+on. A drafter failure turns drafting off for the rows it was drafting for, and a tree the target cannot run (a
+token id outside the vocabulary, a wrong root) for its row alone: they continue without speculation, and the
+output is the target's either way. A target pass with drafts that fails is run once more without them; only a
+failed plain target pass fails every row of the step.
 
 Rows sit at pool rows 0..n-1 of `kv` in order (`row.ctx.row == b`), each with its own sampling parameters and
 generator, so what a row emits never depends on what runs beside it.
@@ -89,6 +91,10 @@ class Row:
         return max(0, min(drafter.num_speculative_tokens, self.req.max_tokens - len(self.out) - 1))
 
     def fail(self, error: BaseException) -> None:
+        """This sequence alone ends with `error` (a SpecloomError is the request's fault and its message goes to
+        the client; anything else is logged here with its traceback)."""
+        if not isinstance(error, SpecloomError):
+            log.error("a sequence failed: %s", error, exc_info=error)
         self.error, self.finish = error, "error"
 
     def record_logprobs(self, rows: torch.Tensor, tokens: list[int]) -> None:
@@ -173,6 +179,22 @@ class Stepper:
         except Exception:
             log.exception("drafter on_finished failed")
 
+    def _bad_tree(self, tree, row: Row) -> str:
+        """Why the target cannot run `tree` for `row` ("" when it can)."""
+        if not isinstance(tree, DraftTree):
+            return f"not a DraftTree: {type(tree).__name__}"
+        if tree.tokens[0] != row.tokens[-1]:
+            return f"root {tree.tokens[0]} is not the sequence's last token {row.tokens[-1]}"
+        if len(tree) > TREE_SLACK:
+            return f"{len(tree)} nodes (at most {TREE_SLACK})"
+        vocab = self.model.config.vocab_size
+        try:
+            if not (0 <= min(tree.tokens) and max(tree.tokens) < vocab):
+                return f"a token id outside [0, {vocab})"
+        except TypeError:
+            return "a token that is not an integer id"
+        return ""
+
     def _drafter_failed(self, rows: list[Row], what: str) -> None:
         log.exception("drafter %s failed: speculation off for %d sequence(s)", what, len(rows))
         for r in rows:
@@ -218,8 +240,6 @@ class Stepper:
             row.record_logprobs(logits[None], [first])
             row.emit([first])
         except Exception as e:
-            if not isinstance(e, SpecloomError):
-                log.exception("prefill failed")
             row.fail(e)
         return len(part)
 
@@ -238,11 +258,20 @@ class Stepper:
         t = time.perf_counter()
         if drafting:
             try:
-                for b, tree in zip(drafting, drafter.propose([rows[b].ctx for b in drafting])):
+                proposed = drafter.propose([rows[b].ctx for b in drafting])
+                if len(proposed) != len(drafting):
+                    raise ValueError(f"{len(proposed)} draft trees for {len(drafting)} sequences")
+                for b, tree in zip(drafting, proposed):
                     trees[b] = tree
             except Exception:
                 self._drafter_failed([rows[b] for b in drafting], "propose")
                 trees = [DraftTree([r.tokens[-1]], [-1]) for r in rows]
+            for b in drafting:  # a tree the target cannot run (a bad token id, a wrong root) is that row's alone
+                problem = self._bad_tree(trees[b], rows[b])
+                if problem:
+                    log.error("drafter proposed an unusable tree (%s): speculation off for that sequence", problem)
+                    rows[b].drafting, rows[b].ctx.state = False, None
+                    trees[b] = DraftTree([rows[b].tokens[-1]], [-1])
         draft_s = time.perf_counter() - t
         for b, r in enumerate(rows):
             r.draft_s += draft_s / n
@@ -274,7 +303,15 @@ class Stepper:
             mask = None if mask is None else mask.to(dev)
         capture = drafter.needs_hidden if drafter is not None and any(r.drafting for r in rows) else ()
         t_pass = time.perf_counter()
-        out = self.model(tokens, positions, self.kv.begin(range(n), sizes), attn_mask=mask, capture=capture)
+        try:
+            out = self.model(tokens, positions, self.kv.begin(range(n), sizes), attn_mask=mask, capture=capture)
+        except Exception:
+            if T == 1:
+                raise  # a plain pass failed: nothing of one row's to drop (the caller fails the step's rows)
+            # a pass with drafts failed: once more without them (uncommitted KV entries are dropped by begin);
+            # speculation goes off for the rows that drafted, the output is the target's either way
+            self._drafter_failed([rows[b] for b in drafting], "tree (target pass failed)")
+            return self.step(rows)
         pass_s = time.perf_counter() - t_pass
 
         # per row: mask, verify with its own generator, commit its path

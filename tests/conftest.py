@@ -255,3 +255,26 @@ def near_target_scores(drafter, target, noise: float = 1.0, seed: int = 0) -> No
         return (out + noise * torch.randn(out.shape, generator=g))[None]
 
     drafter.propose, drafter._rows, drafter._logits = propose, row, logits
+
+
+@pytest.fixture(scope="session")
+def tiny_smol(tmp_path_factory):
+    """A 2-layer random Llama over SmolLM2's tokenizer (saved as an HF directory) and loaded by specloom."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from specloom.errors import SpecloomError
+    from specloom.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer.from_gguf(resolve("smollm2-135m").path)
+    except SpecloomError as e:
+        pytest.skip(f"smollm2-135m not available: {e}")
+    path = str(tmp_path_factory.mktemp("tiny_smol"))  # the server tests share it
+    config = LlamaConfig(vocab_size=len(tok.hf), hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, num_hidden_layers=2, max_position_embeddings=512,
+                         bos_token_id=tok.hf.bos_token_id, eos_token_id=tok.hf.eos_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tok.hf.save_pretrained(path)
+    model, tokenizer = load_target(path, "fp32", progress=False)
+    return model, tokenizer, path

@@ -3,8 +3,8 @@ client): each is one 4xx with an OpenAI error body naming the problem, and the s
 Valid forms the server used to refuse (token-id prompts, `models.retrieve`, a lower-case `bearer`) work; content
 cannot forge the chat template's special tokens; `serve` fails at once, in one line, when it cannot bind.
 
-The model is a tiny random Llama with SmolLM2's real tokenizer and chat template: fast, and the template's
-`<|im_start|>` / `<|im_end|>` markers are real special tokens."""
+The model is a tiny random Llama with SmolLM2's real tokenizer and chat template (the `tiny_smol` fixture of
+conftest.py): fast, and the template's `<|im_start|>` / `<|im_end|>` markers are real special tokens."""
 
 import json
 import socket
@@ -15,7 +15,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -23,30 +22,6 @@ uvicorn = pytest.importorskip("uvicorn")
 NAME = "tiny-smol"
 KEY = "sk-hard"
 OK_CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def tiny_smol(tmp_path_factory):
-    """A 2-layer random Llama over SmolLM2's tokenizer (saved as an HF directory) and loaded by specloom."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from specloom.loading import load_target, resolve
-    from specloom.errors import SpecloomError
-    from specloom.tokenizer import Tokenizer
-
-    try:
-        tok = Tokenizer.from_gguf(resolve("smollm2-135m").path)
-    except SpecloomError as e:
-        pytest.skip(f"smollm2-135m not available: {e}")
-    path = str(tmp_path_factory.mktemp("tiny_smol"))
-    config = LlamaConfig(vocab_size=len(tok.hf), hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=16, num_hidden_layers=2, max_position_embeddings=512,
-                         bos_token_id=tok.hf.bos_token_id, eos_token_id=tok.hf.eos_token_id, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    tok.hf.save_pretrained(path)
-    model, tokenizer = load_target(path, "fp32", progress=False)
-    return model, tokenizer, path
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from fastapi import Request  # module level: FastAPI resolves the handlers' (pos
 
 from ..errors import SpecloomError
 from .detokenize import IncrementalDetokenizer
-from .http_errors import APIError
+from .http_errors import APIError, generation_error
 
 log = logging.getLogger("specloom.serve")
 
@@ -174,7 +175,8 @@ class Server:
         rows = self.memory["rows"]
         mode = speculation or ("load_aware" if engine.drafter else "off")
         if mode == "load_aware" and engine.drafter and cost is None:
-            cost = batch_cost_cached(engine.model, rows, log=lambda m: log.info(m))
+            cost = batch_cost_cached(engine.model, rows, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
+                                                                               flush=True))
         self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step,
                                         start=start)
         self.metrics.bind(self.scheduler)
@@ -369,8 +371,8 @@ class Server:
         for i, seq in enumerate(seqs):
             try:
                 r = seq.wait()
-            except SpecloomError as e:
-                raise APIError(400, str(e)) from None
+            except Exception as e:
+                raise generation_error(e) from None
             self._finished(seq)
             completion += len(r.token_ids)
             fields, called = self._message(plan, r.text, chat)
@@ -462,8 +464,8 @@ class Server:
                     left -= 1
                     seq = val
                     if seq.error is not None or seq.result is None:
-                        msg = str(seq.error) if seq.error is not None else "generation failed"
-                        yield "data: " + json.dumps({"error": {"message": msg, "type": "server_error"}}) + "\n\n"
+                        err = generation_error(seq.error if seq.error is not None else RuntimeError("no result"))
+                        yield "data: " + json.dumps(err.body(), ensure_ascii=False) + "\n\n"
                         return
                     self._finished(seq)
                     tail = holds[i].push(detoks[i].finish(), final=True)

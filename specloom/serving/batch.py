@@ -131,7 +131,9 @@ class BatchScheduler:
 
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> None:
-        """The scheduling loop; returns after `close()`."""
+        """The scheduling loop; returns after `close()`. An exception that escapes an iteration (a bug outside
+        the step's own per-row handling) is logged and fails only the sequences it could have touched; the loop
+        goes on serving."""
         while True:
             with self.cv:
                 while not self._closed and not self.waiting and not self.running and self.prefilling is None:
@@ -142,40 +144,83 @@ class BatchScheduler:
                         s.error = QueueFull("the server shut down")
                         s.done.set()
                     return
-            # prefill under a token budget per iteration (vLLM's chunked prefill): short prompts join several at a
-            # time, a long one is cut into chunks between the running sequences' steps
-            budget = self.prefill_budget if self.running else self.engine.prefill_chunk
-            while budget > 0:
-                if self.prefilling is None:
-                    seq = self._next_waiting()
-                    if seq is None:
-                        break
-                    seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
-                    self.prefilling = self.stepper.new_row(seq, seq.row)
-                    self.policy.admit(self.prefilling, self.drafter)
-                row = self.prefilling
-                if row.req.cancelled:
-                    row.finish = "abort"
-                else:
-                    budget -= self.stepper.prefill(row, budget)
-                if row.finish:  # failed or cancelled while prefilling: it is the last active row
-                    self._finish(row)
-                    self.pool.pop()
-                    self.prefilling = None
-                elif row.prefilled == len(row.req.ids):
-                    self.running.append(row)  # its row is len(running) - 1: the running block stays contiguous
-                    self.prefilling = None
-                else:  # a partial prompt: continue after the next step
+            try:
+                self._iterate()
+            except Exception as e:
+                log.exception("scheduler iteration failed")
+                self._fail_active(e)
+
+    def _iterate(self) -> None:
+        """Admit and prefill under the budget, retire, one step, retire."""
+        # prefill under a token budget per iteration (vLLM's chunked prefill): short prompts join several at a
+        # time, a long one is cut into chunks between the running sequences' steps
+        budget = self.prefill_budget if self.running else self.engine.prefill_chunk
+        while budget > 0:
+            if self.prefilling is None:
+                if not self._admit():
                     break
+                if self.prefilling is None:  # that one failed to start; try the next
+                    continue
+            row = self.prefilling
+            if row.req.cancelled:
+                row.finish = "abort"
+            else:
+                budget -= self.stepper.prefill(row, budget)
+            if row.finish:  # failed or cancelled while prefilling: it is the last active row
+                self.prefilling = None
+                self._finish(row)
+                self.pool.pop()
+            elif row.prefilled == len(row.req.ids):
+                self.running.append(row)  # its row is len(running) - 1: the running block stays contiguous
+                self.prefilling = None
+            else:  # a partial prompt: continue after the next step
+                break
+        self._retire()
+        if self.running:
+            try:
+                self._step()
+            except Exception as e:  # the target pass itself failed: fail the running sequences, keep serving
+                log.exception("scheduler step failed")
+                for r in self.running:
+                    r.fail(e)
             self._retire()
-            if self.running:
-                try:
-                    self._step()
-                except Exception as e:  # the target pass itself failed: fail the running sequences, keep serving
-                    log.exception("scheduler step failed")
-                    for r in self.running:
-                        r.fail(e)
-                self._retire()
+
+    def _admit(self) -> bool:
+        """Start prefilling the next waiting sequence in the row after the running block; False when none can
+        start. A sequence whose row cannot be set up fails alone."""
+        seq = self._next_waiting()
+        if seq is None:
+            return False
+        allocated = False
+        try:
+            seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
+            allocated = True
+            row = self.stepper.new_row(seq, seq.row)
+            self.policy.admit(row, self.drafter)
+        except Exception as e:
+            log.exception("admitting a sequence failed")
+            if allocated:
+                self.pool.pop()
+            seq.error = e  # a SpecloomError reaches its client as a 400, anything else as a 500
+            seq.done.set()
+            return True  # the next waiting one may start
+        self.prefilling = row
+        return True
+
+    def _fail_active(self, error: BaseException) -> None:
+        """The last resort after an unexpected failure between steps: the running and prefilling sequences fail
+        (the pool rows they hold can no longer be trusted), every row is freed, waiting ones stay queued."""
+        rows = self.running + ([self.prefilling] if self.prefilling is not None else [])
+        self.running, self.prefilling = [], None
+        for row in rows:
+            if not row.req.done.is_set():
+                row.req.error = row.error or error
+                row.req.done.set()
+        try:
+            while self.pool.active:
+                self.pool.pop()
+        except Exception:
+            log.exception("freeing the KV pool failed")
 
     def _next_waiting(self) -> Sequence | None:
         with self.cv:
@@ -189,10 +234,14 @@ class BatchScheduler:
 
     def _finish(self, row: Row) -> None:
         seq = row.req
+        if row.error is None:
+            try:
+                seq.result = row.result()
+            except Exception as e:  # e.g. its text does not decode: this sequence fails (logged), no other
+                row.fail(e)
         if row.error is not None:
             seq.error = row.error
         else:
-            seq.result = row.result()
             self.stepper.finished(row)  # before the caller sees it: its next request can draft from this one
         seq.done.set()
         if seq.on_done is not None:
@@ -232,7 +281,10 @@ class BatchScheduler:
         rep, ks = self.policy.run_step(self.stepper, rows, caps)  # depths, tree sizes, the step, calibration
         self.steps += 1
         if self.on_step is not None:
-            self.on_step(n, ks)
+            try:
+                self.on_step(n, ks)
+            except Exception:  # metrics must not fail the requests
+                log.exception("on_step callback failed")
         top = max(ks)
         now = time.monotonic()
         if top != self._last_top and now - self._last_log >= 1.0:  # load-aware depth in the log (at most 1/s)

@@ -44,7 +44,18 @@ _CACHE_SIZE = 256  # compiled grammars kept per tokenizer
 
 
 class GrammarError(SpecloomError, ValueError):
-    """The grammar or schema does not compile; the message is the grammar library's."""
+    """The grammar or schema does not compile, or the output cannot continue under it; the message is the
+    grammar library's first line (never its parser-state dump)."""
+
+
+DEAD_END = ("the grammar allows no next token here: the schema or grammar cannot be completed (for example a "
+            "required property whose $ref refers only to itself)")
+
+
+def _brief(message: str) -> str:
+    """The grammar library's message without the parser state and grammar it appends."""
+    head = message.split("<state>", 1)[0].strip()
+    return head.splitlines()[0] if head else "the grammar library refused it"
 
 
 @dataclass(frozen=True)
@@ -158,7 +169,7 @@ class _Compiled:
             raise GrammarError(error)
         m = LLMatcher(self.lltok, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(m.get_error())
+            raise GrammarError(_brief(m.get_error()))
         with self.lock:
             self.grammars[spec] = m
             while len(self.grammars) > _CACHE_SIZE:
@@ -209,6 +220,10 @@ class Constraint:
         np.bitwise_or.at(self._eos_bits, eos >> 5, (np.uint32(1) << (eos & 31).astype(np.uint32)))
         self._ended = False  # an EOS was emitted
         self._cached: tuple[DraftTree, np.ndarray] | None = None  # prune's rows, reused by mask
+        # the matcher's error state is sticky (a rollback does not clear it): a drafted dead end probed by `_walk`
+        # is undone by replaying the emitted tokens on a copy of the start state
+        self._start = matcher.deep_copy()
+        self._emitted: list[int] = []
 
     # -- state ----------------------------------------------------------------------------------------------
     @property
@@ -235,7 +250,16 @@ class Constraint:
             if self._ended:
                 raise GrammarError(f"token {t} emitted after the end of sequence")
             if not self._m.consume_token(t):
-                raise GrammarError(f"token {t} violates the grammar: {self._m.get_error()}")
+                raise GrammarError(f"token {t} violates the grammar: {_brief(self._m.get_error())}")
+            self._emitted.append(t)
+
+    def _replay(self, path: list[int]) -> None:
+        """A fresh matcher at the state after the emitted tokens and then `path` (drafted tokens)."""
+        m = self._start.deep_copy()
+        for t in self._emitted + path:
+            if not m.consume_token(t):
+                raise GrammarError(f"token {t} refused on replay: {_brief(m.get_error())}")
+        self._m = m
 
     # -- masks ----------------------------------------------------------------------------------------------
     def _fill(self, out: np.ndarray, ended: bool) -> None:
@@ -257,35 +281,46 @@ class Constraint:
 
     def _walk(self, tree: DraftTree) -> tuple[list[bool], np.ndarray]:
         """Depth-first over the tree with consume / rollback: (alive per node, (N, W) uint32 bitmask per node).
-        A node is alive when its whole path is grammatical. The row of a dead node allows EOS only; it is never
-        read (verification cannot reach a node whose token has p = 0 at its parent)."""
+        A node is alive when its whole path is grammatical and the grammar allows some token after it (a draft
+        into a dead end is cut like an ungrammatical one; should the target itself choose that token, the next
+        step's root finds no allowed token). The row of a dead node allows EOS only; it is never read
+        (verification cannot reach a node whose token has p = 0 at its parent, nor a pruned one). Raises
+        GrammarError (DEAD_END) when nothing is allowed at the root: the request cannot be completed."""
         n = len(tree)
         rows = np.empty((n, self._words), dtype=np.uint32)
         rows[:] = self._eos_bits
         alive = [False] * n
         alive[0] = True
         vocab = min(self._c.tokenizer_size, self._c.vocab_size)
-        tokens, m = tree.tokens, self._m
+        tokens, path = tree.tokens, []  # path: the drafted tokens consumed to reach the node visited
 
-        def visit(node: int, ended: bool) -> None:
+        def visit(node: int, ended: bool) -> bool:
+            """Fill the node's row and walk its children; False when the grammar allows no token after it."""
             row = rows[node]
             self._fill(row, ended)
+            if not row.any():
+                return False
             for c in tree.children(node):
                 t = tokens[c]
                 if not 0 <= t < vocab or not self._allows(row, t):
                     continue
-                alive[c] = True
                 if ended or t in self._eos_set:  # EOS is not consumed: after it, only EOS
-                    visit(c, True)
+                    alive[c] = visit(c, True)
                     continue
-                if not m.consume_token(t):  # cannot happen: the mask allowed it
-                    raise GrammarError(f"token {t} allowed by the mask but refused: {m.get_error()}")
+                if not self._m.consume_token(t):  # cannot happen: the mask allowed it
+                    raise GrammarError(f"token {t} allowed by the mask but refused: {_brief(self._m.get_error())}")
+                path.append(t)
                 try:
-                    visit(c, False)
+                    alive[c] = visit(c, False)  # a draft into a dead end is cut: verification never reaches it
                 finally:
-                    m.rollback(1)
+                    path.pop()
+                    self._m.rollback(1)
+                if self._m.is_error():  # the dead end's mask left the matcher in its (sticky) error state
+                    self._replay(path)
+            return True
 
-        visit(0, self._ended)
+        if not visit(0, self._ended):
+            raise GrammarError(DEAD_END)
         return alive, rows
 
     def _apply(self, rows: np.ndarray, logits: torch.Tensor) -> None:
@@ -330,6 +365,8 @@ class Constraint:
         """(V,) in place: the current state's mask (the prefill's first token)."""
         row = np.empty((1, self._words), dtype=np.uint32)
         self._fill(row[0], self._ended)
+        if not row.any():
+            raise GrammarError(DEAD_END)
         self._apply(row, logits.view(1, -1))
 
     def mask(self, tree: DraftTree, logits: torch.Tensor) -> None:

@@ -12,3 +12,15 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def generation_error(error: BaseException) -> APIError:
+    """What the client of a sequence that failed while generating is told: a SpecloomError is the request's own
+    fault (its grammar cannot continue, say): 400 with its message; anything else is ours: 500, the details in the
+    server log only."""
+    from ..errors import SpecloomError
+
+    if isinstance(error, SpecloomError):
+        return APIError(400, str(error))
+    return APIError(500, "generating this response failed (an internal error; see the server log)", None,
+                    "generation_failed", "server_error")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from ..tokenizer import Tokenizer
 from .grammar import GrammarError, GrammarSpec, lark_json, lark_literal
+from .schema_satisfiable import unsatisfiable
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function and schema names
 
@@ -118,10 +119,15 @@ def _check_tools(tools) -> list[dict]:
 
 
 def _check_schema(schema, lenient: bool, what: str, param: str) -> None:
+    """The schema compiles; one that is enforced (not `lenient`) must also admit some value, or the grammar
+    would run out of allowed tokens part-way through the output."""
     try:
         GrammarSpec.json_schema(schema, lenient=lenient).check()
     except GrammarError as e:
         raise ToolRequestError(f"{what}: {e}", param) from None
+    problem = None if lenient else unsatisfiable(schema)
+    if problem:
+        raise ToolRequestError(f"{what}: {problem}", param)
 
 
 def _tool_choice(body: dict, tools: list[dict]) -> str | dict:
