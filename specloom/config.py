@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .config_fields import check_attention_shape, config_dict, float_field, int_field, sub_dict
 from .errors import SpecloomError
 
 if TYPE_CHECKING:
@@ -86,10 +87,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Parse a HF `config.json` dict (also accepts multimodal wrappers holding a `text_config`)."""
+        """Parse a HF `config.json` dict (also accepts multimodal wrappers holding a `text_config`). Every field
+        is checked (type, a sanity bound, consistency) before anything is built: one SpecloomError naming it."""
+        cfg = config_dict(cfg)
         if "text_config" in cfg and "num_hidden_layers" not in cfg:
-            cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+            text = config_dict(cfg["text_config"], "model config field text_config")
+            cfg = {**text, "model_type": text.get("model_type", cfg.get("model_type"))}
         model_type = cfg.get("model_type")
+        if model_type is not None and not isinstance(model_type, str):
+            raise SpecloomError(f"model config field model_type must be a string, got {model_type!r}")
         spec = _spec_for(model_type)
         if spec is None:
             from .models.family import supported_model_types
@@ -97,32 +103,35 @@ class ModelConfig:
             raise SpecloomError(
                 f"unsupported architecture {model_type!r}; specloom supports {', '.join(supported_model_types())}"
             )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            layers = int(cfg["num_hidden_layers"])
-            inter = int(cfg["intermediate_size"])
-            vocab = int(cfg["vocab_size"])
-        except KeyError as e:
-            raise SpecloomError(f"model config is missing the key {e.args[0]!r}") from None
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_theta = cfg.get("rope_theta")
-        rope_local_theta = cfg.get("rope_local_base_freq")
+        hidden = int_field(cfg, "hidden_size")
+        heads = int_field(cfg, "num_attention_heads")
+        layers = int_field(cfg, "num_hidden_layers")
+        inter = int_field(cfg, "intermediate_size")
+        vocab = int_field(cfg, "vocab_size")
+        kv_heads = int_field(cfg, "num_key_value_heads", heads)
+        given = cfg.get("head_dim") not in (None, 0)
+        check_attention_shape(hidden, heads, kv_heads, given)
+        head_dim = int_field(cfg, "head_dim") if given else hidden // heads
+        rope = sub_dict(cfg, "rope_parameters") or sub_dict(cfg, "rope_scaling")
+        rope_theta = float_field(cfg, "rope_theta", None)
+        rope_local_theta = float_field(cfg, "rope_local_base_freq", None)
         if "full_attention" in rope:  # transformers >= 5 nests per layer type
-            rope_local_theta = rope.get("sliding_attention", {}).get("rope_theta", rope_local_theta)
-            rope = rope["full_attention"]
-        rope_theta = float(rope_theta or rope.get("rope_theta") or 10000.0)
+            local = sub_dict(rope, "sliding_attention")
+            rope_local_theta = float_field(local, "rope_theta", rope_local_theta, prefix="rope_parameters.")
+            rope = sub_dict(rope, "full_attention")
+        rope_theta = rope_theta or float_field(rope, "rope_theta", 10000.0, prefix="rope_parameters.")
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
         scaling = None
         if rope_type == "llama3":
             scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-                high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-                original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+                factor=float_field(rope, "factor", prefix="rope_scaling."),
+                low_freq_factor=float_field(rope, "low_freq_factor", 1.0, prefix="rope_scaling."),
+                high_freq_factor=float_field(rope, "high_freq_factor", 4.0, prefix="rope_scaling."),
+                original_max_position=int_field(rope, "original_max_position_embeddings", 8192,
+                                                prefix="rope_scaling."),
             )
-        elif rope_type not in ("default", None) and not (rope_type == "linear" and float(rope.get("factor", 1)) == 1):
+        elif rope_type not in ("default", None) and not (
+                rope_type == "linear" and float_field(rope, "factor", 1.0, prefix="rope_scaling.") == 1):
             raise SpecloomError(f"unsupported RoPE scaling {rope_type!r} (supported: default, llama3)")
 
         layer_types: tuple[str, ...] = ()
@@ -130,9 +139,14 @@ class ModelConfig:
         if spec.sliding_layers:
             if cfg.get("layer_types"):
                 layer_types = tuple(cfg["layer_types"])
+                known = ("full_attention", "sliding_attention")
+                if len(layer_types) != layers or not all(t in known for t in layer_types):
+                    raise SpecloomError(f"model config field layer_types must list {layers} entries, each one of "
+                                        f"{', '.join(known)}")
             else:
-                pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern")
-                              or spec.default_sliding_window_pattern)
+                key = "sliding_window_pattern" if cfg.get("sliding_window_pattern") else "_sliding_window_pattern"
+                pattern = int_field({"sliding_window_pattern": cfg.get(key)}, "sliding_window_pattern",
+                                    spec.default_sliding_window_pattern)
                 layer_types = tuple(
                     "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
                 )
@@ -153,6 +167,8 @@ class ModelConfig:
 
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
+            raise SpecloomError(f"model config field eos_token_id must be a token id or a list of them, got {eos!r}")
         return cls(
             model_type=model_type,
             vocab_size=vocab,
@@ -160,23 +176,23 @@ class ModelConfig:
             intermediate_size=inter,
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float_field(cfg, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=scaling,
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
+            max_position=int_field(cfg, "max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", spec.tie_word_embeddings)),
             attention_bias=bool(cfg.get("attention_bias", model_type in spec.qkv_bias_model_types)),
             o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type not in spec.qkv_bias_model_types,
             qk_norm=model_type in spec.qk_norm_model_types,
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
-            sliding_window=int(sliding) if sliding else None,
+            sliding_window=int_field(cfg, "sliding_window") if sliding else None,
             layer_types=layer_types,
             rope_local_theta=rope_local_theta,
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
+            query_pre_attn_scalar=float_field(cfg, "query_pre_attn_scalar", None),
             embedding_scale=spec.embedding_scale(hidden),
-            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            final_logit_softcapping=float_field(cfg, "final_logit_softcapping", None),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

@@ -75,6 +75,9 @@ def resolve(name: str) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(name, "gguf", ggufs[0])
         raise SpecloomError(f"{name}: directory has neither config.json nor exactly one .gguf file")
+    if os.path.exists(name):  # a device, a pipe, a socket
+        raise SpecloomError(f"{name}: not a regular file or a directory (a model is a .gguf file or a model "
+                            "directory)")
     if os.sep in name or name.endswith(".gguf") or name.startswith("."):
         raise SpecloomError(f"{name}: no such file or directory")
     raise SpecloomError(
@@ -152,9 +155,9 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
         raw = gguf_config(source.path)
     else:
         try:
-            with open(os.path.join(source.path, "config.json")) as f:
+            with open(os.path.join(source.path, "config.json"), encoding="utf-8") as f:
                 raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # not JSON, not UTF-8, nested absurdly deep
             raise SpecloomError(f"{source.path}/config.json: unreadable ({e})") from None
     config = ModelConfig.from_hf(raw)
     if source.kind == "hf":

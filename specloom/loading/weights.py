@@ -121,8 +121,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
     """Instantiate the family's model without random init and load `state` (specloom names) strictly."""
     cls = FAMILIES[config.family]
     with torch.device("meta"):
-        model = cls(config)
-    model.to_empty(device=device)
+        model = cls(config)  # shapes only: nothing is allocated before the checkpoint matches them
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -138,6 +137,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
             raise SpecloomError(
                 f"malformed checkpoint: {name} has shape {tuple(t.shape)}, the config implies {tuple(own[name].shape)}"
             )
+    model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

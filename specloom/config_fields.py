@@ -1,0 +1,92 @@
+"""Typed, bounded reads of a model's `config.json` fields: a wrong type, an absurd size or an inconsistency is one
+SpecloomError naming the field, raised before anything is allocated.
+
+The bounds are generous sanity limits (several times the largest open models), not architecture rules: they
+keep a corrupt or hostile config (`hidden_size` 10**9, `vocab_size` 10**12) from asking for terabytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import SpecloomError
+
+_MISSING = object()
+
+# field -> (least, most)
+BOUNDS = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 17),
+    "intermediate_size": (1, 1 << 20),
+    "num_hidden_layers": (1, 1 << 10),
+    "num_attention_heads": (1, 1 << 10),
+    "num_key_value_heads": (1, 1 << 10),
+    "head_dim": (1, 1 << 12),
+    "max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+    "sliding_window_pattern": (1, 1 << 10),
+    "original_max_position_embeddings": (1, 1 << 24),
+}
+
+
+def _where(key: str, prefix: str) -> str:
+    return f"model config field {prefix}{key}"
+
+
+def config_dict(cfg, what: str = "model config") -> dict:
+    """`cfg` itself when it is a JSON object."""
+    if not isinstance(cfg, dict):
+        raise SpecloomError(f"{what} must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def int_field(cfg: dict, key: str, default=_MISSING, prefix: str = "") -> int:
+    """cfg[key] as an int within BOUNDS[key] (an integral float is accepted; a string, a bool or null is not).
+    `default`: the value when the key is absent or null (absent with no default: an error)."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _MISSING:
+            raise SpecloomError(f"model config is missing the key {prefix + key!r}")
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecloomError(f"{_where(key, prefix)} must be an integer, got {v!r}")
+    lo, hi = BOUNDS.get(key, (0, 1 << 62))
+    if not lo <= v <= hi:
+        raise SpecloomError(f"{_where(key, prefix)} must be an integer in [{lo}, {hi}], got {v}")
+    return v
+
+
+def float_field(cfg: dict, key: str, default=_MISSING, positive: bool = True, prefix: str = "") -> float:
+    """cfg[key] as a finite float (> 0 when `positive`)."""
+    v = cfg.get(key)
+    if v is None:
+        if default is _MISSING:
+            raise SpecloomError(f"model config is missing the key {prefix + key!r}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        kind = "a positive number" if positive else "a finite number"
+        raise SpecloomError(f"{_where(key, prefix)} must be {kind}, got {v!r}")
+    return float(v)
+
+
+def sub_dict(cfg: dict, key: str) -> dict:
+    """cfg[key] when it is an object; {} when absent or null."""
+    v = cfg.get(key)
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise SpecloomError(f"{_where(key, '')} must be an object, got {type(v).__name__}")
+    return v
+
+
+def check_attention_shape(hidden: int, heads: int, kv_heads: int, head_dim_given: bool) -> None:
+    """Heads that divide the hidden size (when head_dim is derived from it) and query heads that the key/value
+    heads divide."""
+    if not head_dim_given and hidden % heads:
+        raise SpecloomError(f"model config: num_attention_heads ({heads}) must divide hidden_size ({hidden}) "
+                            "when head_dim is not given")
+    if kv_heads > heads or heads % kv_heads:
+        raise SpecloomError(f"model config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+                            f"({heads})")

@@ -1,0 +1,82 @@
+"""Malformed model configs and paths through the CLI (issue 14): one line on stderr naming the field or the path,
+no traceback, nothing allocated for sizes the checkpoint does not hold."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from test_cli import assert_clean_error, run_cli
+
+
+def _edit(config: dict, key, value):
+    c = dict(config)
+    c[key] = value
+    return c
+
+
+CASES = [
+    ("hidden_huge", lambda c: _edit(c, "hidden_size", 10 ** 9), "hidden_size must be an integer in [1, "),
+    ("vocab_huge", lambda c: _edit(c, "vocab_size", 10 ** 12), "vocab_size must be an integer in [1, "),
+    ("config_is_a_list", lambda c: [c], "model config must be a JSON object, got list"),
+    ("config_is_a_string", lambda c: "llama", "model config must be a JSON object, got str"),
+    ("hidden_is_a_string", lambda c: _edit(c, "hidden_size", "64"), "hidden_size must be an integer, got '64'"),
+    ("layers_is_a_bool", lambda c: _edit(c, "num_hidden_layers", True), "num_hidden_layers must be an integer"),
+    ("zero_heads", lambda c: _edit(c, "num_attention_heads", 0), "num_attention_heads must be an integer in [1, "),
+    ("heads_do_not_divide", lambda c: {**{k: v for k, v in c.items() if k != "head_dim"},
+                                       "num_attention_heads": 5}, "num_attention_heads (5) must divide hidden_size"),
+    ("kv_heads_do_not_divide", lambda c: _edit(c, "num_key_value_heads", 3), "num_key_value_heads (3) must divide"),
+    ("eps_negative", lambda c: _edit(c, "rms_norm_eps", -1), "rms_norm_eps must be a positive number"),
+    ("rope_not_an_object", lambda c: _edit(c, "rope_parameters", "big"), "rope_parameters must be an object"),
+    ("layer_types_short", lambda c: {**c, "model_type": "gemma3_text", "layer_types": ["full_attention"]},
+     "layer_types must list 3 entries"),
+    # within the sanity bounds, but far larger than the tensors: refused by shape before anything is allocated
+    # (allocated first, these sizes would ask for terabytes)
+    ("bigger_than_the_tensors", lambda c: {**c, "hidden_size": 65536, "intermediate_size": 1 << 20,
+                                           "vocab_size": 1 << 22}, "malformed checkpoint"),
+]
+
+
+@pytest.fixture(scope="module")
+def base(tiny):
+    path = tiny("llama").path
+    with open(os.path.join(path, "config.json")) as f:
+        return path, json.load(f)
+
+
+@pytest.mark.parametrize("edit, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_config_is_one_clear_line(base, tmp_path, edit, needle):
+    path, config = base
+    bad = tmp_path / "model"
+    shutil.copytree(path, bad)
+    (bad / "config.json").write_text(json.dumps(edit(config)))
+    rc, _, err = run_cli("generate", str(bad), "--prompt", "hi", "--max-tokens", "2")
+    assert_clean_error(rc, err, needle)
+    assert "allocate" not in err
+
+
+def test_config_not_json(base, tmp_path):
+    path, _ = base
+    bad = tmp_path / "model"
+    shutil.copytree(path, bad)
+    (bad / "config.json").write_bytes(b"\xff{" + b"[" * 100_000)
+    rc, _, err = run_cli("generate", str(bad), "--prompt", "hi")
+    assert_clean_error(rc, err, "config.json: unreadable")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_device_file_as_model():
+    rc, _, err = run_cli("generate", "/dev/null", "--prompt", "hi")
+    assert_clean_error(rc, err, "/dev/null: not a regular file or a directory")
+
+
+def test_directory_without_a_model(tmp_path):
+    rc, _, err = run_cli("generate", str(tmp_path), "--prompt", "hi")
+    assert_clean_error(rc, err, "neither config.json nor exactly one .gguf file")
+
+
+def test_empty_gguf(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    rc, _, err = run_cli("generate", str(tmp_path / "empty.gguf"), "--prompt", "hi")
+    assert_clean_error(rc, err, "empty.gguf")
