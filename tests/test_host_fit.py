@@ -367,3 +367,31 @@ def test_generate_compare_plain(tiny, capsys):
     assert d["identical_to_plain"] and d["plain"]["token_ids"] == d["token_ids"] and len(d["token_ids"]) == 24
     assert d["speedup"] > 0 and d["decode_tokens_per_second"] > 0 and d["host"]["threads"] >= 1
     assert d["speculation"]["mode"] == "auto" and d["first_difference"] is None and d["rounds"] == 1
+
+
+def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypatch):
+    """Start-up's verify-cost measurement says that it runs and where it is cached, stops its repeats at the time
+    bound (one warm-up and one timed round always), and a second start reads the cache instead of measuring."""
+    from specloom.serving import load_aware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    calls = {"n": 0}
+    real = type(model).forward
+
+    def counting(self, *a, **kw):
+        calls["n"] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(type(model), "forward", counting)
+    lines = []
+    load_aware.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
+    grid = 2 * len(TOKENS)  # rows 1 and 2
+    assert calls["n"] == 2 + 2 * grid  # the rows' prefill, then warm-up + one timed round: the bound cut the rest
+    path = next((tmp_path / "specloom" / "verify_cost").glob("batch-*-r2-h*.json"))
+    assert "measuring verify cost curve" in lines[0] and f"cached at {path}" in lines[0]
+    assert "measured in" in lines[1]
+    lines.clear()
+    calls["n"] = 0
+    load_aware.batch_cost_cached(model, 2, log=lines.append)
+    assert lines == [f"verify cost curve read from {path}"] and calls["n"] < grid  # one decode-speed probe only

@@ -146,11 +146,12 @@ def monotone(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], flo
 
 
 def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | None = None,
-                       progress=None) -> BatchCost:
+                       progress=None, budget_s: float | None = None) -> BatchCost:
     """Time passes over n rows x T tokens through a KV pool (the serving path) after about `context` cached
     tokens (rows of slightly different lengths, as in serving: ragged passes). Every repeat times every grid point
     in turn (drift hits all alike); medians, then made monotone. `repeats` default: 7 for one row (Engine.generate:
-    a few seconds), 3 for a serving grid."""
+    a few seconds), 3 for a serving grid. `budget_s`: no further repeat starts once that many seconds have gone
+    (one warm-up and one timed round always run; online calibration refines a curve cut short)."""
     from ..bench.verify_cost import sync
 
     rows = [n for n in ROWS if n <= max_rows] or [1]
@@ -170,7 +171,10 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
         inputs[(n, t)] = (torch.randint(0, model.config.vocab_size, (n, t), device=dev),
                           lengths + torch.arange(t, device=dev)[None])
     times = {key: [] for key in grid}
+    t0 = time.perf_counter()
     for rep in range(repeats + 1):  # the first round warms up
+        if rep > 1 and budget_s is not None and time.perf_counter() - t0 > budget_s:
+            break
         for n, t in grid:
             x, pos = inputs[(n, t)]
             sync(dev)
@@ -208,9 +212,14 @@ def time_decode_step(model, context: int = 128, repeats: int = 5) -> float:
     return statistics.median(times[1:])
 
 
-def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> BatchCost:
+MEASURE_BUDGET_S = 60.0  # the most a verify-cost measurement may take before its repeats stop
+
+
+def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None,
+                      budget_s: float | None = MEASURE_BUDGET_S) -> BatchCost:
     """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads, rows, host
-    (CPU, flags, torch) and linear kernel."""
+    (CPU, flags, torch) and linear kernel. A measurement is bounded by `budget_s` and says (through `log`) that it
+    runs, where it is cached and how long it took; a cache hit says where it was read from."""
     from ..bench.verify_cost import device_tag, host_tag, model_cache_key
     from ..tokenizer import cache_dir
 
@@ -226,10 +235,18 @@ def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None) -> 
             # the cached shape, anchored to how fast the machine runs now (a curve measured while the host was
             # busier would otherwise take many passes of online calibration to come back)
             cost.rescale(time_decode_step(model) / cost.seconds[(cost.rows[0], cost.tokens[0])])
+            if log:
+                log(f"verify cost curve read from {path}")
             return cost
     if log:
-        log("measuring the verify-cost curve (once per model, dtype, host and kernel)")
-    cost = measure_batch_cost(model, max_rows)
+        where = f"cached at {path}" if path else "not cached: the model was built in memory"
+        bound = f", at most ~{budget_s:.0f} s" if budget_s is not None else ""
+        log(f"measuring verify cost curve for up to {max_rows} rows{bound} (once per model, dtype, host and "
+            f"kernel; {where}) ...")
+    t0 = time.perf_counter()
+    cost = measure_batch_cost(model, max_rows, budget_s=budget_s)
+    if log:
+        log(f"verify cost curve measured in {time.perf_counter() - t0:.1f} s")
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
