@@ -236,6 +236,16 @@ def _post(port, body):
         return e.code, json.loads(e.read())
 
 
+def _sse(port, body) -> list[dict]:
+    """The JSON events of a raw streamed response (status 200 checked)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        lines = r.read().decode().splitlines()
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+
+
 def _good(content, stream=False):
     return {"model": NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 150,
             "temperature": 0, "stream": stream}
@@ -322,6 +332,9 @@ def test_poisoned_request_fails_alone_beside_good_ones(live, monkeypatch):
         assert "allows no next token" in msg and "<state>" not in msg, msg
         assert good == alone_good and streamed == alone_stream
         assert (3, 1) in sizes  # the poisoned request really ran in a step beside both good ones
+    events = _sse(port, dict(_bad_tool_call(), stream=True))  # streamed: its stream ends with one error event
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and "allows no next token" in errors[0]["message"] and "error" in events[-1]
     monkeypatch.undo()
     assert _post(port, _good("Hello there!"))[1]["choices"][0]["message"]["content"] == alone_stream
 
