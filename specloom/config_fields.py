@@ -29,8 +29,8 @@ BOUNDS = {
 }
 
 
-def _where(key: str, prefix: str) -> str:
-    return f"model config field {prefix}{key}"
+def _where(key: str, prefix: str, what: str = "model config") -> str:
+    return f"{what} field {prefix}{key}"
 
 
 def config_dict(cfg, what: str = "model config") -> dict:
@@ -40,53 +40,57 @@ def config_dict(cfg, what: str = "model config") -> dict:
     return cfg
 
 
-def int_field(cfg: dict, key: str, default=_MISSING, prefix: str = "") -> int:
-    """cfg[key] as an int within BOUNDS[key] (an integral float is accepted; a string, a bool or null is not).
-    `default`: the value when the key is absent or null (absent with no default: an error)."""
+def int_field(cfg: dict, key: str, default=_MISSING, prefix: str = "", what: str = "model config",
+              bound: str | None = None) -> int:
+    """cfg[key] as an int within BOUNDS[bound or key] (an integral float is accepted; a string, a bool or null is
+    not). `default`: the value when the key is absent or null (absent with no default: an error). `what` names
+    the config in messages ("model config", "drafter config")."""
     v = cfg.get(key)
     if v is None:
         if default is _MISSING:
-            raise SpecloomError(f"model config is missing the key {prefix + key!r}")
+            raise SpecloomError(f"{what} is missing the key {prefix + key!r}")
         return default
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise SpecloomError(f"{_where(key, prefix)} must be an integer, got {v!r}")
-    lo, hi = BOUNDS.get(key, (0, 1 << 62))
+        raise SpecloomError(f"{_where(key, prefix, what)} must be an integer, got {v!r}")
+    lo, hi = BOUNDS.get(bound or key, (0, 1 << 62))
     if not lo <= v <= hi:
-        raise SpecloomError(f"{_where(key, prefix)} must be an integer in [{lo}, {hi}], got {v}")
+        raise SpecloomError(f"{_where(key, prefix, what)} must be an integer in [{lo}, {hi}], got {v}")
     return v
 
 
-def float_field(cfg: dict, key: str, default=_MISSING, positive: bool = True, prefix: str = "") -> float:
+def float_field(cfg: dict, key: str, default=_MISSING, positive: bool = True, prefix: str = "",
+                what: str = "model config") -> float:
     """cfg[key] as a finite float (> 0 when `positive`)."""
     v = cfg.get(key)
     if v is None:
         if default is _MISSING:
-            raise SpecloomError(f"model config is missing the key {prefix + key!r}")
+            raise SpecloomError(f"{what} is missing the key {prefix + key!r}")
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
         kind = "a positive number" if positive else "a finite number"
-        raise SpecloomError(f"{_where(key, prefix)} must be {kind}, got {v!r}")
+        raise SpecloomError(f"{_where(key, prefix, what)} must be {kind}, got {v!r}")
     return float(v)
 
 
-def sub_dict(cfg: dict, key: str) -> dict:
+def sub_dict(cfg: dict, key: str, what: str = "model config") -> dict:
     """cfg[key] when it is an object; {} when absent or null."""
     v = cfg.get(key)
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise SpecloomError(f"{_where(key, '')} must be an object, got {type(v).__name__}")
+        raise SpecloomError(f"{_where(key, '', what)} must be an object, got {type(v).__name__}")
     return v
 
 
-def check_attention_shape(hidden: int, heads: int, kv_heads: int, head_dim_given: bool) -> None:
+def check_attention_shape(hidden: int, heads: int, kv_heads: int, head_dim_given: bool,
+                          what: str = "model config") -> None:
     """Heads that divide the hidden size (when head_dim is derived from it) and query heads that the key/value
     heads divide."""
     if not head_dim_given and hidden % heads:
-        raise SpecloomError(f"model config: num_attention_heads ({heads}) must divide hidden_size ({hidden}) "
+        raise SpecloomError(f"{what}: num_attention_heads ({heads}) must divide hidden_size ({hidden}) "
                             "when head_dim is not given")
     if kv_heads > heads or heads % kv_heads:
-        raise SpecloomError(f"model config: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+        raise SpecloomError(f"{what}: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
                             f"({heads})")

@@ -80,3 +80,40 @@ def test_empty_gguf(tmp_path):
     (tmp_path / "empty.gguf").write_bytes(b"")
     rc, _, err = run_cli("generate", str(tmp_path / "empty.gguf"), "--prompt", "hi")
     assert_clean_error(rc, err, "empty.gguf")
+
+
+BUNDLED_EAGLE3 = os.path.join(os.path.dirname(__file__), "..", "specloom", "bundled", "smollm2-135m", "eagle3")
+DRAFTER_CASES = [
+    ("draft_hidden_huge", lambda c: {**c, "transformer_layer_config": {**c["transformer_layer_config"],
+                                                                         "hidden_size": 10 ** 9}},
+     "drafter config field hidden_size must be an integer in [1, "),
+    ("draft_zero_heads", lambda c: {**c, "transformer_layer_config": {**c["transformer_layer_config"],
+                                                                        "num_attention_heads": 0}},
+     "drafter config field num_attention_heads must be an integer in [1, "),
+    ("draft_vocab_string", lambda c: {**c, "draft_vocab_size": "many"},
+     "drafter config field draft_vocab_size must be an integer, got 'many'"),
+    ("draft_layer_config_list", lambda c: {**c, "transformer_layer_config": [1]},
+     "drafter config must be a JSON object"),
+    ("draft_feature_ids_strings", lambda c: {**c, "eagle_aux_hidden_state_layer_ids": ["a"]},
+     "eagle_aux_hidden_state_layer_ids must be a list of layer ids"),
+]
+
+
+@pytest.mark.parametrize("edit, needle", [c[1:] for c in DRAFTER_CASES], ids=[c[0] for c in DRAFTER_CASES])
+def test_bad_drafter_config_is_one_clear_line(tmp_path, edit, needle):
+    from specloom.errors import SpecloomError
+    from specloom.loading import resolve
+
+    try:
+        resolve("smollm2-135m")
+    except SpecloomError as e:
+        pytest.skip(str(e))
+    bad = tmp_path / "eagle3"
+    shutil.copytree(BUNDLED_EAGLE3, bad)
+    with open(bad / "config.json") as f:
+        config = json.load(f)
+    (bad / "config.json").write_text(json.dumps(edit(config)))
+    spec = json.dumps({"method": "eagle3", "model": str(bad)})
+    rc, _, err = run_cli("generate", "smollm2-135m", "--speculative-config", spec, "--prompt", "hi",
+                         "--max-tokens", "2")
+    assert_clean_error(rc, err, needle)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ...config_fields import check_attention_shape, config_dict, float_field, int_field
 from ...errors import SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
@@ -41,29 +42,34 @@ def _kind_of(raw: dict) -> str:
     return "eagle"
 
 
-def _layer_cfg(raw: dict) -> dict:
-    return raw.get("transformer_layer_config") or raw
+def _layer_cfg(raw: dict, what: str) -> dict:
+    return config_dict(raw.get("transformer_layer_config") or raw, what)
 
 
 def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
-    lc = _layer_cfg(raw)
+    """The drafter network's config, every field typed and bounded (config_fields.py) before anything is built."""
+    what = f"{where}: drafter config"
+    raw = config_dict(raw, what)
+    lc = _layer_cfg(raw, what)
     tc = target.config
-    try:
-        H = int(lc["hidden_size"])
-        heads = int(lc["num_attention_heads"])
-        cfg = EagleConfig(
-            eagle3=eagle3, hidden_size=H, num_heads=heads,
-            num_kv_heads=int(lc.get("num_key_value_heads") or heads),
-            head_dim=int(lc.get("head_dim") or H // heads), intermediate_size=int(lc["intermediate_size"]),
-            vocab_size=int(lc.get("vocab_size") or raw.get("vocab_size") or tc.vocab_size),
-            draft_vocab_size=int(raw.get("draft_vocab_size") or lc.get("vocab_size") or tc.vocab_size),
-            feature_ids=(), target_hidden_size=int(raw.get("target_hidden_size") or H),
-            rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)), rope_theta=float(lc.get("rope_theta", 10000.0)),
-            fc_bias=bool(raw.get("bias", True)) and not eagle3,
-            max_position=int(lc.get("max_position_embeddings", 8192)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpecloomError(f"{where}: drafter config is missing or has a bad value for {e}") from None
+    H = int_field(lc, "hidden_size", what=what)
+    heads = int_field(lc, "num_attention_heads", what=what)
+    kv_heads = int_field(lc, "num_key_value_heads", heads, what=what)
+    given = lc.get("head_dim") not in (None, 0)
+    check_attention_shape(H, heads, kv_heads, given, what)
+    vocab = int_field(lc, "vocab_size", int_field(raw, "vocab_size", tc.vocab_size, what=what), what=what)
+    cfg = EagleConfig(
+        eagle3=eagle3, hidden_size=H, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=int_field(lc, "head_dim", what=what) if given else H // heads,
+        intermediate_size=int_field(lc, "intermediate_size", what=what),
+        vocab_size=vocab,
+        draft_vocab_size=int_field(raw, "draft_vocab_size", vocab, what=what, bound="vocab_size"),
+        feature_ids=(), target_hidden_size=int_field(raw, "target_hidden_size", H, what=what, bound="hidden_size"),
+        rms_norm_eps=float_field(lc, "rms_norm_eps", 1e-6, what=what),
+        rope_theta=float_field(lc, "rope_theta", 10000.0, what=what),
+        fc_bias=bool(raw.get("bias", True)) and not eagle3,
+        max_position=int_field(lc, "max_position_embeddings", 8192, what=what),
+    )
     if not eagle3:
         cfg.draft_vocab_size = cfg.vocab_size
     ids = (raw.get("eagle_aux_hidden_state_layer_ids")
@@ -72,7 +78,9 @@ def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
     L = tc.num_layers
     if not ids:
         ids = (2, L // 2, L - 3) if eagle3 else (L,)
-    cfg.feature_ids = tuple(int(i) for i in ids)
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise SpecloomError(f"{what} field eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}")
+    cfg.feature_ids = tuple(ids)
     bad = [i for i in cfg.feature_ids if not 0 <= i <= L]
     if bad:
         raise SpecloomError(f"{where}: feature layer ids {bad} exceed the target's depth ({L} layers; ids are "
