@@ -26,6 +26,8 @@ BOUNDS = {
     "sliding_window": (1, 1 << 24),
     "sliding_window_pattern": (1, 1 << 10),
     "original_max_position_embeddings": (1, 1 << 24),
+    "medusa_num_heads": (1, 64),
+    "medusa_num_layers": (1, 64),
 }
 
 

@@ -82,7 +82,7 @@ def test_empty_gguf(tmp_path):
     assert_clean_error(rc, err, "empty.gguf")
 
 
-BUNDLED_EAGLE3 = os.path.join(os.path.dirname(__file__), "..", "specloom", "bundled", "smollm2-135m", "eagle3")
+BUNDLED = os.path.join(os.path.dirname(__file__), "..", "specloom", "bundled", "smollm2-135m")
 DRAFTER_CASES = [
     ("draft_hidden_huge", lambda c: {**c, "transformer_layer_config": {**c["transformer_layer_config"],
                                                                          "hidden_size": 10 ** 9}},
@@ -96,6 +96,9 @@ DRAFTER_CASES = [
      "drafter config must be a JSON object"),
     ("draft_feature_ids_strings", lambda c: {**c, "eagle_aux_hidden_state_layer_ids": ["a"]},
      "eagle_aux_hidden_state_layer_ids must be a list of layer ids"),
+    ("medusa_heads_huge", lambda c: {**c, "medusa_num_heads": 10 ** 6},
+     "medusa_num_heads must be an integer in [1, 64]"),
+    ("medusa_layers_string", lambda c: {**c, "medusa_num_layers": "2"}, "medusa_num_layers must be an integer"),
 ]
 
 
@@ -108,12 +111,13 @@ def test_bad_drafter_config_is_one_clear_line(tmp_path, edit, needle):
         resolve("smollm2-135m")
     except SpecloomError as e:
         pytest.skip(str(e))
-    bad = tmp_path / "eagle3"
-    shutil.copytree(BUNDLED_EAGLE3, bad)
+    method = "medusa" if "medusa" in needle else "eagle3"
+    bad = tmp_path / method
+    shutil.copytree(os.path.join(BUNDLED, method), bad)
     with open(bad / "config.json") as f:
         config = json.load(f)
     (bad / "config.json").write_text(json.dumps(edit(config)))
-    spec = json.dumps({"method": "eagle3", "model": str(bad)})
+    spec = json.dumps({"method": method, "model": str(bad)})
     rc, _, err = run_cli("generate", "smollm2-135m", "--speculative-config", spec, "--prompt", "hi",
                          "--max-tokens", "2")
     assert_clean_error(rc, err, needle)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ...config_fields import int_field
 from ...errors import SpecloomError
 from ..checkpoint import checkpoint_format, read_tensors, take
 from .drafter import TOPK, MedusaHeads
@@ -67,10 +68,9 @@ class MedusaFormat:
     @staticmethod
     def build(path: str, raw: dict, target) -> MedusaHeads:
         H, V = target.config.hidden_size, target.config.vocab_size
-        try:
-            K, nl = int(raw["medusa_num_heads"]), int(raw.get("medusa_num_layers", 1))
-        except (TypeError, ValueError):
-            raise SpecloomError(f"{path}: medusa_num_heads / medusa_num_layers must be integers") from None
+        what = f"{path}: drafter config"
+        K = int_field(raw, "medusa_num_heads", what=what)
+        nl = int_field(raw, "medusa_num_layers", 1, what=what)
         tensors: dict = {}
         for f in _files(path):
             tensors.update(read_tensors(f))
