@@ -158,13 +158,19 @@ def test_chat_frame_cuts_the_real_template():
     assert joined == ref
 
 
-def test_recomputed_hidden_states_equal_a_direct_forward(tiny, tmp_path):
-    from specloom.training.dataset import DistillData
-
+def _small_data(tiny, tmp_path):
+    """(tiny llama, a tokens-only data directory of 8 short answers)."""
     t = tiny("llama")
     out = str(tmp_path / "d")
     assert main(["data", "--target", t.path, "--prompts", _prompts(tmp_path / "p.jsonl", 8), "--out", out,
                  "--max-new-tokens", "6", "--dtype", "fp32"]) == 0
+    return t, out
+
+
+def test_recomputed_hidden_states_equal_a_direct_forward(tiny, tmp_path):
+    from specloom.training.dataset import DistillData
+
+    t, out = _small_data(tiny, tmp_path)
     L = t.model.config.num_layers
     data = DistillData(out, (1, L))
     data.attach(t.model)
@@ -185,10 +191,7 @@ def test_recomputed_states_are_kept_within_the_budget_and_reread(tiny, tmp_path)
     memory budget; a budget of 0 keeps nothing; mixed groups (some kept, some not) recompute only the missing."""
     from specloom.training.dataset import DistillData
 
-    t = tiny("llama")
-    out = str(tmp_path / "d")
-    assert main(["data", "--target", t.path, "--prompts", _prompts(tmp_path / "p.jsonl", 8), "--out", out,
-                 "--max-new-tokens", "6", "--dtype", "fp32"]) == 0
+    t, out = _small_data(tiny, tmp_path)
     L = t.model.config.num_layers
     ref = DistillData(out, (1, L))
     ref.attach(t.model)  # budget 0
