@@ -252,13 +252,42 @@ def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monk
     model = tiny("llama").model
     first = load_aware.batch_cost_cached(model, 1)
     assert list((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
-    monkeypatch.setattr(load_aware, "time_decode_step", lambda m: 10 * first.base)  # the host is 10x slower now
+    nine = first(1, 9)
+    # the host is 10x slower now, the curve's shape unchanged
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts: {1: 10 * first.base, 9: 10 * first.base * nine})
     again = load_aware.batch_cost_cached(model, 1)
     assert again.base == pytest.approx(10 * first.base)
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)  # same shape
     before = dict(again.seconds)
     again.observe(1, 5, again.base * again(1, 5))  # a pass as predicted: nothing to calibrate
     assert again.seconds == pytest.approx(before)
+
+
+def test_cached_curve_whose_shape_this_host_no_longer_shows_is_measured_again(tiny, tmp_path, monkeypatch):
+    """A curve cached while other processes slowed the multi-token passes (so steep that no drafter could pay)
+    is not trusted for ever: the read checks c(1, 9) against a fresh probe and measures again."""
+    import json
+
+    from specloom.serving import load_aware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    load_aware.batch_cost_cached(model, 1)
+    path = next((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
+    steep = {k: v * (1 if k == "1x1" else 8) for k, v in json.loads(path.read_text()).items()}
+    path.write_text(json.dumps(steep))
+    monkeypatch.setattr(load_aware, "measure_batch_cost",
+                        lambda m, rows, budget_s=None: load_aware.BatchCost({(1, t): 1.0 + 0.01 * t for t in TOKENS}))
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts: {1: 1.0, 9: 1.1})
+    lines = []
+    cost = load_aware.batch_cost_cached(model, 1, log=lines.append)
+    assert "disagrees with this host now" in lines[0] and "1.10 measured now" in lines[0], lines
+    assert float(lines[0].split("pass: ")[1].split()[0]) > 7  # the steep cached figure, named
+    assert cost(1, 9) == pytest.approx(1.09 / 1.01)  # the new measurement, and it replaced the cached file
+    assert json.loads(path.read_text())["1x9"] == pytest.approx(1.09)
+    lines.clear()
+    load_aware.batch_cost_cached(model, 1, log=lines.append)  # now it agrees: read
+    assert lines == [f"verify cost curve read from {path}"]
 
 
 def test_prior_from_the_drafters_measured_tau():
@@ -385,7 +414,7 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
 
     monkeypatch.setattr(type(model), "forward", counting)
     lines = []
-    load_aware.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
+    first = load_aware.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
     grid = 2 * len(TOKENS)  # rows 1 and 2
     assert calls["n"] == 2 + 2 * grid  # the rows' prefill, then warm-up + one timed round: the bound cut the rest
     path = next((tmp_path / "specloom" / "verify_cost").glob("batch-*-r2-h*.json"))
@@ -393,5 +422,8 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
     assert "measured in" in lines[1]
     lines.clear()
     calls["n"] = 0
+    probes = []  # the read's check of the cached shape, at the shape it cached (a tiny model's timings are noise)
+    monkeypatch.setattr(load_aware, "time_passes",
+                        lambda m, ts: probes.append(ts) or {1: first.base, 9: first.base * first(1, 9)})
     load_aware.batch_cost_cached(model, 2, log=lines.append)
-    assert lines == [f"verify cost curve read from {path}"] and calls["n"] < grid  # one decode-speed probe only
+    assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 9)]

@@ -149,7 +149,9 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
                        progress=None, budget_s: float | None = None) -> BatchCost:
     """Time passes over n rows x T tokens through a KV pool (the serving path) after about `context` cached
     tokens (rows of slightly different lengths, as in serving: ragged passes). Every repeat times every grid point
-    in turn (drift hits all alike); medians, then made monotone. `repeats` default: 7 for one row (Engine.generate:
+    in turn (drift hits all alike); the fastest of the repeats (a pass slowed by another process on a shared
+    host says nothing about the model: a median of slowed passes once cached a curve so steep that no drafter
+    could pay), then made monotone. `repeats` default: 7 for one row (Engine.generate:
     a few seconds), 3 for a serving grid. `budget_s`: no further repeat starts once that many seconds have gone
     (one warm-up and one timed round always run; online calibration refines a curve cut short)."""
     from ..bench.verify_cost import sync
@@ -183,7 +185,7 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
             sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
             if rep:
                 times[(n, t)].append(time.perf_counter() - s)
-    out = monotone({key: statistics.median(ts) for key, ts in times.items()})
+    out = monotone({key: min(ts) for key, ts in times.items()})
     if progress:
         for (n, t), v in out.items():
             progress(n, t, v)
@@ -191,28 +193,35 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
 
 
 @torch.inference_mode()
-def time_decode_step(model, context: int = 128, repeats: int = 5) -> float:
-    """Median seconds of a one-row, one-token pass after `context` cached tokens (the cost curve's unit, now)."""
+def time_passes(model, tokens=(1,), context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Fastest seconds of a one-row pass over T tokens after `context` cached tokens, for each T in `tokens`
+    (interleaved, so drift hits all alike; the fastest of `repeats` is the pass without another process's
+    interference). T = 1 is the cost curve's unit, now."""
     from ..bench.verify_cost import sync
 
     dev = model.device
-    kv = model.new_kv(context + 2)
+    kv = model.new_kv(context + max(tokens) + 1)
     x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
     model(x, torch.arange(context, device=dev)[None], kv, num_logits=1)
     kv.commit()
-    tok, pos = torch.randint(0, model.config.vocab_size, (1, 1), device=dev), torch.tensor([[context]], device=dev)
-    times = []
-    for _ in range(repeats + 1):
-        sync(dev)
-        t = time.perf_counter()
-        model(tok, pos, kv)
-        sync(dev)
-        kv.truncate(context)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])
+    inputs = {t: (torch.randint(0, model.config.vocab_size, (1, t), device=dev),
+                  torch.arange(context, context + t, device=dev)[None]) for t in tokens}
+    times: dict[int, list[float]] = {t: [] for t in tokens}
+    for rep in range(repeats + 1):  # the first round warms up
+        for t in tokens:
+            sync(dev)
+            s = time.perf_counter()
+            model(*inputs[t], kv)
+            sync(dev)
+            kv.truncate(context)
+            if rep:
+                times[t].append(time.perf_counter() - s)
+    return {t: min(ts) for t, ts in times.items()}
 
 
 MEASURE_BUDGET_S = 60.0  # the most a verify-cost measurement may take before its repeats stop
+SHAPE_CHECK_TOKENS = 9  # a cached curve is checked at c(1, 9) against a fresh probe ...
+SHAPE_TOLERANCE = 1.3  # ... and measured again when the two differ by more than this factor
 
 
 def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None,
@@ -233,11 +242,18 @@ def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None,
             with open(path) as f:
                 cost = BatchCost.from_json(json.load(f))
             # the cached shape, anchored to how fast the machine runs now (a curve measured while the host was
-            # busier would otherwise take many passes of online calibration to come back)
-            cost.rescale(time_decode_step(model) / cost.seconds[(cost.rows[0], cost.tokens[0])])
+            # busier would otherwise take many passes of online calibration to come back), and checked at one
+            # multi-token point: a cached shape that this host no longer shows is measured again
+            now = time_passes(model, (1, SHAPE_CHECK_TOKENS))
+            cost.rescale(now[1] / cost.seconds[(cost.rows[0], cost.tokens[0])])
+            cached, fresh = cost(cost.rows[0], SHAPE_CHECK_TOKENS), now[SHAPE_CHECK_TOKENS] / now[1]
+            if 1 / SHAPE_TOLERANCE <= cached / fresh <= SHAPE_TOLERANCE:
+                if log:
+                    log(f"verify cost curve read from {path}")
+                return cost
             if log:
-                log(f"verify cost curve read from {path}")
-            return cost
+                log(f"cached verify cost curve {path} disagrees with this host now (a {SHAPE_CHECK_TOKENS}-token "
+                    f"pass: {cached:.2f} decode steps cached, {fresh:.2f} measured now); measuring it again")
     if log:
         where = f"cached at {path}" if path else "not cached: the model was built in memory"
         bound = f", at most ~{budget_s:.0f} s" if budget_s is not None else ""
