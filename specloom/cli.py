@@ -25,6 +25,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _seconds(value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {value!r}") from None
+    if not 0 <= t < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value}")
+    return t
+
+
 def _device(p: argparse.ArgumentParser) -> None:
     # checked in main() (loading.parse_device), so that a bad name is one SpecloomError line, not argparse usage
     p.add_argument("--device", default=None, metavar="{cpu,cuda,cuda:N}",
@@ -189,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait for a free sequence slot before new ones get 429 "
                          "(default: 4 x the pool's sequences)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
+    sv.add_argument("--metrics-require-key", action="store_true",
+                    help="require the --api-key on /metrics too (default: /metrics is open, as vLLM's)")
+    sv.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                    help="on SIGTERM: stop admitting, give the running requests this long to finish, then end the "
+                         "rest with a 503 and exit 0 (default 30)")
     sv.add_argument("--special-tokens-in-input", action="store_true",
                     help="parse special-token strings (e.g. <|im_end|>) in message content and completions prompts "
                          "as special tokens (default: plain text, so content cannot forge a chat turn)")
@@ -361,51 +376,67 @@ def _train(args) -> int:
 
 
 def _serve(args) -> int:
+    import signal
+
     import uvicorn
 
     from .engine import load
-    from .serving.api import Server, build_app
-
     from .loading import parse_dtype
-    from .serving.api import parse_size
-
+    from .serving.api import Server, build_app, parse_size
+    from .serving.lifecycle import Lifecycle
     from .serving.listen import listen
 
     logging.getLogger("specloom.serve").setLevel(logging.INFO)  # admission, pool size, load-aware depth changes
     budget = parse_size(args.memory_budget)  # checked before the model loads
+    if args.metrics_require_key and not args.api_key:
+        raise SpecloomError("--metrics-require-key needs --api-key (the key /metrics would require)")
     sock = listen(args.host, args.port)  # so is the port: taken or out of range is one line, at once
     port = sock.getsockname()[1]
-    engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
-                  device=args.device)
-    kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
-    server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
-                    args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False,
-                    special_tokens_in_input=args.special_tokens_in_input)
-    m = server.memory
-    mib = 2 ** 20
-    print(f"specloom: serving {server.model_name} on http://{args.host}:{port}/v1 -- {m['rows']} sequences of "
-          f"{m['row_tokens']} tokens; target weights {m['target_weights'] / mib:.0f} MiB, drafter weights "
-          f"{m['drafter_weights'] / mib:.0f} MiB, KV pool {server.scheduler.pool.nbytes / mib:.0f} MiB; speculation "
-          f"{server.scheduler.policy.mode}", file=sys.stderr, flush=True)
-    # HTTP in a thread, the scheduler (all model work) in the main thread: see BatchScheduler's `start`.
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning"))
+    # HTTP first, in a thread (/health: 503 "starting" while the model loads); the scheduler (all model work) in
+    # the main thread: see BatchScheduler's `start`.
+    life = Lifecycle()
+    uv = uvicorn.Server(uvicorn.Config(build_app(life), host=args.host, port=port, log_level="warning",
+                                       timeout_graceful_shutdown=10))
     uv.install_signal_handlers = lambda: None  # signals stay with the main thread
 
     def http():
         uv.run(sockets=[sock])
-        server.scheduler.close()  # the HTTP server stopped (e.g. the port was taken): stop scheduling too
+        if life.server is not None:  # the HTTP server stopped: stop scheduling too
+            life.server.scheduler.close()
 
-    threading.Thread(target=http, daemon=True).start()
-    import signal
+    http_thread = threading.Thread(target=http, daemon=True)
+    http_thread.start()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C or a service manager's stop: leave the loop, exit
-        signal.signal(sig, signal.default_int_handler)
+    def on_sigterm(signum, frame):
+        if life.state != "ready":  # still starting (nothing to finish), or a second SIGTERM: stop at once
+            raise KeyboardInterrupt
+        print(f"specloom: SIGTERM: draining -- no new requests; the running ones get up to {args.shutdown_timeout:g} "
+              "s to finish", file=sys.stderr, flush=True)
+        threading.Thread(target=life.drain, args=(args.shutdown_timeout,), daemon=True).start()  # not under a lock
+
+    signal.signal(signal.SIGTERM, on_sigterm)  # a service manager's stop: drain, then exit 0
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: stop at once
     try:
-        server.scheduler.run()
+        engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
+                      device=args.device)
+        kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
+        server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
+                        args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False,
+                        special_tokens_in_input=args.special_tokens_in_input,
+                        metrics_require_key=args.metrics_require_key)
+        life.ready(server)
+        m = server.memory
+        mib = 2 ** 20
+        print(f"specloom: serving {server.model_name} on http://{args.host}:{port}/v1 -- {m['rows']} sequences of "
+              f"{m['row_tokens']} tokens; target weights {m['target_weights'] / mib:.0f} MiB, drafter weights "
+              f"{m['drafter_weights'] / mib:.0f} MiB, KV pool {server.scheduler.pool.nbytes / mib:.0f} MiB; "
+              f"speculation {server.scheduler.policy.mode}", file=sys.stderr, flush=True)
+        server.scheduler.run()  # returns when drained (or the HTTP server stopped)
     except KeyboardInterrupt:
         pass
     finally:
-        uv.should_exit = True
+        uv.should_exit = True  # uvicorn finishes the responses in flight (at most 10 s), then closes
+    http_thread.join(timeout=15)
     return 0
 
 

@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP API over one `Engine`, served by the continuous-batching scheduler (serving/batch.py).
 
-Endpoints: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (a text, texts, token
+Endpoints: `GET /health` (200 "ok" when ready, 503 "starting" / "draining" otherwise: serving/lifecycle.py),
+`GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (a text, texts, token
 ids or lists of token ids), `POST /v1/chat/completions` (SSE streaming with `stream_options.include_usage`, `n`,
 `stop`, `seed`, `temperature`, `top_p`, `max_tokens`; `tools` / `tool_choice` and `response_format` through
 serving/tools.py and grammar.py). Every body is read under a size and nesting limit (serving/request_body.py) and
 checked against its pydantic model (serving/schemas.py, also the OpenAPI document's request schemas) before
 anything else. Errors use OpenAI's body `{"error": {"message", "type", "param", "code"}}` with 400 / 401 / 404 /
-413 / 429; the API key (when set) is checked on every `/v1` route, in constant time. Special-token strings in
+413 / 429 / 503; the API key (when set) is checked on every `/v1` route (and on `/metrics` when the server is told
+to), in constant time. Special-token strings in
 message content and prompts are plain text unless the server is told otherwise. `/metrics`: Prometheus counters,
 gauges and histograms (serving/metrics.py).
 
@@ -157,7 +159,8 @@ class Server:
     def __init__(self, engine, model_name: str, api_key: str | None = None, max_num_seqs: int = 16,
                  memory_budget: int | str | None = None, speculation: str | None = None, cost=None,
                  max_queue: int | None = None, kv_dtype=None, start: bool = True,
-                 special_tokens_in_input: bool = False, max_body_bytes: int | None = None):
+                 special_tokens_in_input: bool = False, max_body_bytes: int | None = None,
+                 metrics_require_key: bool = False):
         from .batch import BatchScheduler
         from .load_aware import batch_cost_cached
         from .metrics import Metrics
@@ -165,6 +168,9 @@ class Server:
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
+        if metrics_require_key and not api_key:
+            raise SpecloomError("--metrics-require-key needs --api-key (the key /metrics would require)")
+        self.metrics_require_key = metrics_require_key  # /metrics behind the API key too (default: open, as vLLM)
         self.special_tokens_in_input = special_tokens_in_input  # True: the old behaviour (content may hold specials)
         from .request_body import MAX_BODY_BYTES
 
@@ -290,7 +296,7 @@ class Server:
         """Queue n sequences per prompt (choice index k = prompt * n + i; each its own seed: seed + i, and its
         own grammar state)."""
         from ..sampling import SamplingParams
-        from .batch import QueueFull, Sequence
+        from .batch import QueueFull, Sequence, ShuttingDown
 
         seqs = []
         for k in range(len(prompts) * o["n"]):
@@ -306,6 +312,8 @@ class Server:
                                  on_tokens=callbacks[k] if callbacks else None, logprobs=o["logprobs"]))
         try:
             self.scheduler.submit(seqs)
+        except ShuttingDown as e:
+            raise generation_error(e) from None
         except QueueFull as e:
             raise APIError(429, str(e), None, "server_busy", "rate_limit_error") from None
         except SpecloomError as e:
@@ -531,39 +539,53 @@ def bearer_ok(header: str, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
-def build_app(server: Server):
+def build_app(target):
+    """The FastAPI app over a `Server`, or over a `Lifecycle` (serving/lifecycle.py) whose server comes when the
+    model is loaded: until then `/health` answers 503 "starting"."""
     from fastapi import FastAPI
     from fastapi.openapi.utils import get_openapi
     from fastapi.responses import JSONResponse, StreamingResponse
 
+    from .lifecycle import Lifecycle
     from .request_body import parse_json, read_body
     from .schemas import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components
 
+    life = target if isinstance(target, Lifecycle) else Lifecycle(target)
     app = FastAPI(title="specloom")
 
     def error(e: APIError):
-        server.metrics.error(e.status)
+        if life.server is not None:
+            life.server.metrics.error(e.status)
         return JSONResponse(e.body(), status_code=e.status)
 
-    def denied(request: Request):
-        """The 401 response when an API key is set and the request does not carry it (checked in each /v1 handler:
-        an HTTP middleware would wrap `receive` and hide client disconnects from the handlers)."""
+    def denied(request: Request, generation: bool = False):
+        """The 503 while starting (or, for generation, draining), else the 401 when an API key is set and the
+        request does not carry it (checked in each /v1 handler: an HTTP middleware would wrap `receive` and hide
+        client disconnects from the handlers)."""
+        if (refused := life.refusal(generation)) is not None:
+            return error(refused)
+        server = life.server
         if server.api_key and not bearer_ok(request.headers.get("authorization", ""), server.api_key):
             return error(APIError(401, "Incorrect API key provided", None, "invalid_api_key", "authentication_error"))
         return None
 
     def model_card() -> dict:
+        server = life.server
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specloom"}
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        status = "ok" if life.state == "ready" else life.state
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
         from fastapi.responses import PlainTextResponse
 
-        return PlainTextResponse(server.metrics.render(), media_type="text/plain; version=0.0.4")
+        if life.server is None or life.server.metrics_require_key:
+            if (resp := denied(request)) is not None:
+                return resp
+        return PlainTextResponse(life.server.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -575,14 +597,16 @@ def build_app(server: Server):
     async def model(model_id: str, request: Request):
         if (resp := denied(request)) is not None:
             return resp
+        server = life.server
         if model_id != server.model_name:
             return error(APIError(404, f"The model {model_id!r} does not exist (this server serves "
                                        f"{server.model_name!r})", "model", "model_not_found"))
         return model_card()
 
     async def handle(request: Request, chat: bool):
-        if (resp := denied(request)) is not None:
+        if (resp := denied(request, generation=True)) is not None:
             return resp
+        server = life.server
         try:
             raw = await read_body(request, server.max_body_bytes)
             body = parse_json(raw) if len(raw) < 2 ** 16 else await asyncio.to_thread(parse_json, raw)

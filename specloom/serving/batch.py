@@ -38,6 +38,11 @@ class QueueFull(SpecloomError):
     pass
 
 
+class ShuttingDown(SpecloomError):
+    """The server is draining (SIGTERM): a new request is refused, and an accepted one still running when the
+    grace period runs out ends with this (HTTP 503)."""
+
+
 @dataclass
 class Sequence(Request):
     """A request with the scheduler's bookkeeping (`on_tokens` is called from the scheduler thread)."""
@@ -86,6 +91,8 @@ class BatchScheduler:
         self.prefill_budget = 256  # prompt tokens prefilled per scheduler iteration while others are decoding
         self.cv = threading.Condition()
         self._closed = False
+        self._drain_until: float | None = None  # set by drain(): admit nothing new, stop when idle or at this time
+        self._drain_timeout = 0.0
         self.steps = 0
         self._last_top, self._last_log = -1, 0.0
         self.thread = None
@@ -102,8 +109,8 @@ class BatchScheduler:
                     f"the prompt has {len(s.ids)} tokens and max_tokens is {s.max_tokens}: together they exceed the "
                     f"model's context of {self.engine.max_model_len} tokens")
         with self.cv:
-            if self._closed:
-                raise QueueFull("the server is shutting down")
+            if self._closed or self._drain_until is not None:
+                raise ShuttingDown("the server is shutting down and admits no new request")
             if len(self.waiting) + len(seqs) > self.max_queue + self.pool.free_rows:
                 raise QueueFull(
                     f"the server is at capacity ({self.pool.rows} sequences running, {len(self.waiting)} waiting); "
@@ -129,19 +136,33 @@ class BatchScheduler:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(timeout=30)
 
+    def drain(self, timeout: float) -> None:
+        """Admit no new sequence (`submit` raises ShuttingDown); `run()` returns once every accepted one (running
+        or waiting) is done, or after `timeout` seconds fails those left with ShuttingDown."""
+        with self.cv:
+            self._drain_until = time.monotonic() + timeout
+            self._drain_timeout = timeout
+            self.cv.notify()
+
     # -- the loop --------------------------------------------------------------------------------------------
     def run(self) -> None:
-        """The scheduling loop; returns after `close()`. An exception that escapes an iteration (a bug outside
+        """The scheduling loop; returns after `close()` or, once `drain()` was called, when the accepted sequences
+        are done or the grace period is over (those left fail with ShuttingDown). An exception that escapes an iteration (a bug outside
         the step's own per-row handling) is logged and fails only the sequences it could have touched; the loop
         goes on serving."""
         while True:
             with self.cv:
-                while not self._closed and not self.waiting and not self.running and self.prefilling is None:
+                idle = not self.waiting and not self.running and self.prefilling is None
+                while not self._closed and self._drain_until is None and idle:
                     self.cv.wait()
-                if self._closed:
+                    idle = not self.waiting and not self.running and self.prefilling is None
+                late = self._drain_until is not None and time.monotonic() >= self._drain_until
+                if self._closed or late or (self._drain_until is not None and idle):
+                    why = f" (the shutdown grace period of {self._drain_timeout:g} s ran out)" if late else ""
+                    error = ShuttingDown(f"the server shut down before this request finished{why}")
                     pending = [r.req for r in self.running] + ([self.prefilling.req] if self.prefilling else [])
                     for s in list(self.waiting) + pending:
-                        s.error = QueueFull("the server shut down")
+                        s.error = error
                         s.done.set()
                     return
             try:

@@ -16,10 +16,13 @@ class APIError(Exception):
 
 def generation_error(error: BaseException) -> APIError:
     """What the client of a sequence that failed while generating is told: a SpecloomError is the request's own
-    fault (its grammar cannot continue, say): 400 with its message; anything else is ours: 500, the details in the
-    server log only."""
+    fault (its grammar cannot continue, say): 400 with its message; the server shutting down before it finished:
+    503; anything else is ours: 500, the details in the server log only."""
     from ..errors import SpecloomError
+    from .batch import ShuttingDown
 
+    if isinstance(error, ShuttingDown):
+        return APIError(503, str(error), None, "server_shutting_down", "server_error")
     if isinstance(error, SpecloomError):
         return APIError(400, str(error))
     return APIError(500, "generating this response failed (an internal error; see the server log)", None,
