@@ -28,6 +28,11 @@ BOUNDS = {
     "original_max_position_embeddings": (1, 1 << 24),
     "medusa_num_heads": (1, 64),
     "medusa_num_layers": (1, 64),
+    "num_nextn_predict_layers": (1, 64),  # MTP layers
+    "block_size": (1, 256),  # DFlash / DSpark tokens per block
+    "markov_rank": (0, 1 << 14),
+    "token_id": (0, 1 << 22),
+    "draft_depth": (1, 256),  # drafts per step, tree width, tree nodes
 }
 
 
@@ -74,6 +79,37 @@ def float_field(cfg: dict, key: str, default=_MISSING, positive: bool = True, pr
         kind = "a positive number" if positive else "a finite number"
         raise SpecloomError(f"{_where(key, prefix, what)} must be {kind}, got {v!r}")
     return float(v)
+
+
+def bool_field(cfg: dict, key: str, default: bool, prefix: str = "", what: str = "model config") -> bool:
+    """cfg[key] as a JSON boolean (a string such as "false" is not one); `default` when absent or null."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise SpecloomError(f"{_where(key, prefix, what)} must be true or false, got {v!r}")
+    return v
+
+
+def str_field(cfg: dict, key: str, default: str, prefix: str = "", what: str = "model config") -> str:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise SpecloomError(f"{_where(key, prefix, what)} must be a string, got {v!r}")
+    return v
+
+
+def layer_ids(cfg: dict, key: str, prefix: str = "", what: str = "model config") -> list[int] | None:
+    """cfg[key] as a list of integer layer ids (None when absent or null; the range is the caller's to check,
+    against the target's depth)."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or len(v) > BOUNDS["num_hidden_layers"][1] or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise SpecloomError(f"{_where(key, prefix, what)} must be a list of layer ids, got {v!r}")
+    return v
 
 
 def sub_dict(cfg: dict, key: str, what: str = "model config") -> dict:

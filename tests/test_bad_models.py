@@ -99,11 +99,53 @@ DRAFTER_CASES = [
     ("medusa_heads_huge", lambda c: {**c, "medusa_num_heads": 10 ** 6},
      "medusa_num_heads must be an integer in [1, 64]"),
     ("medusa_layers_string", lambda c: {**c, "medusa_num_layers": "2"}, "medusa_num_layers must be an integer"),
+    # MTP (a config overlay of the target's layout)
+    ("mtp_layers_huge", lambda c: {**c, "num_nextn_predict_layers": 10 ** 6},
+     "mtp drafter config field num_nextn_predict_layers must be an integer in [1, 64]"),
+    ("mtp_layers_string", lambda c: {**c, "num_nextn_predict_layers": "1"},
+     "num_nextn_predict_layers must be an integer, got '1'"),
+    # within the bound but more layers than the checkpoint holds: refused by the tensors, nothing allocated
+    ("mtp_more_layers_than_tensors", lambda c: {**c, "num_nextn_predict_layers": 64},
+     "declares 64 MTP layer(s) (num_nextn_predict_layers) but tensor"),
+    ("mtp_hidden_string", lambda c: {**c, "hidden_size": "576"}, "field hidden_size must be an integer, got '576'"),
+    ("mtp_depth_string", lambda c: {**c, "specloom": {**c["specloom"], "depth": "deep"}},
+     "field specloom.depth must be an integer, got 'deep'"),
+    # DFlash (z-lab layout: a Qwen3 config at the top level, dflash_config)
+    ("dflash_zero_heads", lambda c: {**c, "num_attention_heads": 0},
+     "dflash drafter config field num_attention_heads must be an integer in [1, "),
+    ("dflash_kv_heads_do_not_divide", lambda c: {**c, "num_key_value_heads": 2},
+     "num_key_value_heads (2) must divide num_attention_heads (9)"),
+    ("dflash_layers_huge", lambda c: {**c, "num_hidden_layers": 10 ** 9},
+     "field num_hidden_layers must be an integer in [1, "),
+    ("dflash_block_huge", lambda c: {**c, "dflash_config": {**c["dflash_config"], "block_size": 10 ** 6}},
+     "field dflash_config.block_size must be an integer in [1, 256]"),
+    ("dflash_mask_string", lambda c: {**c, "dflash_config": {**c["dflash_config"], "mask_token_id": "16"}},
+     "field dflash_config.mask_token_id must be an integer, got '16'"),
+    ("dflash_layer_ids_strings", lambda c: {**c, "dflash_config": {**c["dflash_config"],
+                                                                    "target_layer_ids": ["a"]}},
+     "field dflash_config.target_layer_ids must be a list of layer ids"),
+    ("dflash_config_not_an_object", lambda c: {**c, "dflash_config": [6]}, "field dflash_config must be an object"),
+    # DSpark (the built-in layout's config keys)
+    ("dspark_block_string", lambda c: {**c, "dspark_block_size": "5"},
+     "dspark drafter config field dspark_block_size must be an integer, got '5'"),
+    ("dspark_markov_rank_negative", lambda c: {**c, "dspark_markov_rank": -1},
+     "field dspark_markov_rank must be an integer in [0, "),
+    ("dspark_confidence_string", lambda c: {**c, "enable_confidence_head": "yes"},
+     "field enable_confidence_head must be true or false, got 'yes'"),
+    ("dspark_layers_huge", lambda c: {**c, "n_mtp_layers": 10 ** 9}, "field n_mtp_layers must be an integer in [1, "),
+    ("dspark_intermediate_huge", lambda c: {**c, "dspark_intermediate_size": 10 ** 9},
+     "field dspark_intermediate_size must be an integer in [1, "),
 ]
 
 
-@pytest.mark.parametrize("edit, needle", [c[1:] for c in DRAFTER_CASES], ids=[c[0] for c in DRAFTER_CASES])
-def test_bad_drafter_config_is_one_clear_line(tmp_path, edit, needle):
+def _method(case_id: str) -> str:
+    head = case_id.split("_")[0]
+    return head if head in ("medusa", "mtp", "dflash", "dspark") else "eagle3"
+
+
+@pytest.mark.parametrize("method, edit, needle", [(_method(c[0]), *c[1:]) for c in DRAFTER_CASES],
+                         ids=[c[0] for c in DRAFTER_CASES])
+def test_bad_drafter_config_is_one_clear_line(tmp_path, method, edit, needle):
     from specloom.errors import SpecloomError
     from specloom.loading import resolve
 
@@ -111,7 +153,6 @@ def test_bad_drafter_config_is_one_clear_line(tmp_path, edit, needle):
         resolve("smollm2-135m")
     except SpecloomError as e:
         pytest.skip(str(e))
-    method = "medusa" if "medusa" in needle else "eagle3"
     bad = tmp_path / method
     shutil.copytree(os.path.join(BUNDLED, method), bad)
     with open(bad / "config.json") as f:

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from ...config_fields import float_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, float_key, register
@@ -62,7 +63,8 @@ class BlockDrafter(Drafter):
             raise SpecloomError(f"{path}: confidence_threshold needs a drafter with a confidence head; this "
                                 f"{cls.method} checkpoint has none")
         if th is None:
-            th = float(meta.get("confidence_threshold") or 0.0) if cfg.confidence_head else 0.0
+            th = float_field(meta, "confidence_threshold", 0.0, positive=False, prefix="specloom.",
+                             what=f"{path}: {cls.method} drafter config") if cfg.confidence_head else 0.0
         return k or n, th
 
     @classmethod

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from ...config_fields import (bool_field, check_attention_shape, float_field, int_field, layer_ids,
+                             str_field, sub_dict)
 from ...errors import SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import (add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take,
@@ -98,77 +100,93 @@ def check_layout(path: str, raw: dict, method: str) -> str:
 
 
 def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraftConfig:
-    """Parse any layout into a BlockDraftConfig for this target; clear errors for what cannot work."""
+    """Parse any layout into a BlockDraftConfig for this target, every field typed and bounded (config_fields.py)
+    before anything is built; one clear error for what cannot work."""
     layout = check_layout(path, raw, method)
+    what = f"{path}: {method} drafter config"
     tc = target_config
     L = tc.num_layers
-    try:
-        if layout == "builtin":
-            lc = {"hidden_size": tc.hidden_size, "num_attention_heads": tc.num_heads,
-                  "num_key_value_heads": tc.num_kv_heads, "head_dim": tc.head_dim,
-                  "intermediate_size": raw.get("dspark_intermediate_size") or tc.intermediate_size,
-                  "vocab_size": tc.vocab_size, "rms_norm_eps": tc.rms_norm_eps, "rope_theta": tc.rope_theta,
-                  "num_hidden_layers": raw.get("n_mtp_layers", 3)}
-            zids = raw.get("dspark_target_layer_ids")
-            ids = None if zids is None else [int(i) + 1 for i in zids]
-            extra = dict(block_size=raw["dspark_block_size"], mask_token_id=raw["dspark_noise_token_id"],
-                         anchor_predicts=True, markov_rank=raw.get("dspark_markov_rank", 0),
-                         markov_head_type=raw.get("dspark_markov_head_type") or "vanilla",
-                         confidence_head=bool(raw.get("enable_confidence_head", False)),
-                         confidence_with_markov=bool(raw.get("dspark_confidence_head_with_markov", True)))
-        elif layout.startswith("speculators"):
-            lc = raw.get("transformer_layer_config") or {}
-            ids = raw.get("aux_hidden_state_layer_ids") or raw.get("eagle_aux_hidden_state_layer_ids")
-            dspark = layout == "speculators-dspark"
-            extra = dict(block_size=raw.get("block_size", 8), mask_token_id=raw["mask_token_id"],
-                         anchor_predicts=bool(raw.get("sample_from_anchor", dspark)),
-                         markov_rank=raw.get("markov_rank", 256) if dspark else 0,
-                         markov_head_type=raw.get("markov_head_type") or "vanilla",
-                         confidence_head=bool(raw.get("enable_confidence_head", False)) and dspark,
-                         confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)))
-            dv = raw.get("draft_vocab_size")
-            if dv and int(dv) != int(lc.get("vocab_size") or tc.vocab_size):
-                raise SpecloomError(f"{path}: a reduced draft vocabulary ({dv} tokens) is not supported for "
-                                    f"{method}; specloom serves full-vocabulary block drafters")
-        else:  # zlab, deepspec: a Qwen3 config at the top level
-            lc = raw
-            dc = raw.get("dflash_config") or {}
-            zids = dc.get("target_layer_ids", raw.get("target_layer_ids"))
-            if zids is None:
-                zids = default_zlab_ids(int(raw.get("num_target_layers") or L), int(raw["num_hidden_layers"]))
-            ids = [int(i) + 1 for i in zids]
-            deepspec = layout == "deepspec"
-            extra = dict(block_size=dc.get("block_size", raw.get("block_size", 16)),
-                         mask_token_id=dc.get("mask_token_id", raw.get("mask_token_id")),
-                         anchor_predicts=deepspec, markov_rank=raw.get("markov_rank", 0) if deepspec else 0,
-                         markov_head_type=raw.get("markov_head_type") or "vanilla",
-                         confidence_head=bool(raw.get("enable_confidence_head", False)) and deepspec,
-                         confidence_with_markov=bool(raw.get("confidence_head_with_markov", True)))
-            if extra["mask_token_id"] is None:
-                raise KeyError("mask_token_id")
-            if raw.get("is_causal") or dc.get("causal") or dc.get("use_swa"):
-                raise SpecloomError(f"{path}: causal / sliding-window draft layers are not supported")
-        H = int(lc["hidden_size"])
-        heads = int(lc["num_attention_heads"])
-        cfg = BlockDraftConfig(
-            hidden_size=H, num_layers=int(lc["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(lc.get("num_key_value_heads") or heads), head_dim=int(lc.get("head_dim") or H // heads),
-            intermediate_size=int(lc["intermediate_size"]), vocab_size=int(lc.get("vocab_size") or tc.vocab_size),
-            block_size=int(extra["block_size"]), mask_token_id=int(extra["mask_token_id"]), feature_ids=(),
-            target_hidden_size=int(raw.get("target_hidden_size") or H), rms_norm_eps=float(lc.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(lc.get("rope_theta", 1000000.0)), anchor_predicts=bool(extra["anchor_predicts"]),
-            markov_rank=int(extra["markov_rank"] or 0), markov_head_type=str(extra["markov_head_type"]),
-            confidence_head=bool(extra["confidence_head"]),
-            confidence_with_markov=bool(extra["confidence_with_markov"]),
-            max_position=int(lc.get("max_position_embeddings", tc.max_position)),
-        )
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpecloomError(f"{path}: {method} drafter config is missing or has a bad value for {e}") from None
+    lp = ""  # where the layer fields sit, for messages
+
+    def i(cfg, key, *default, bound=None, prefix=""):
+        return int_field(cfg, key, *default, prefix=prefix, what=what, bound=bound)
+
+    def b(cfg, key, default):
+        return bool_field(cfg, key, default, what=what)
+
+    if layout == "builtin":
+        lc = {"hidden_size": tc.hidden_size, "num_attention_heads": tc.num_heads,
+              "num_key_value_heads": tc.num_kv_heads, "head_dim": tc.head_dim,
+              "intermediate_size": i(raw, "dspark_intermediate_size", tc.intermediate_size, bound="intermediate_size"),
+              "vocab_size": tc.vocab_size, "rms_norm_eps": tc.rms_norm_eps, "rope_theta": tc.rope_theta,
+              "num_hidden_layers": i(raw, "n_mtp_layers", 3, bound="num_hidden_layers")}
+        zids = layer_ids(raw, "dspark_target_layer_ids", what=what)
+        ids = None if zids is None else [z + 1 for z in zids]
+        extra = dict(block_size=i(raw, "dspark_block_size", bound="block_size"),
+                     mask_token_id=i(raw, "dspark_noise_token_id", bound="token_id"), anchor_predicts=True,
+                     markov_rank=i(raw, "dspark_markov_rank", 0, bound="markov_rank"),
+                     markov_head_type=str_field(raw, "dspark_markov_head_type", "vanilla", what=what),
+                     confidence_head=b(raw, "enable_confidence_head", False),
+                     confidence_with_markov=b(raw, "dspark_confidence_head_with_markov", True))
+    elif layout.startswith("speculators"):
+        lc = sub_dict(raw, "transformer_layer_config", what)
+        lp = "transformer_layer_config."
+        ids = (layer_ids(raw, "aux_hidden_state_layer_ids", what=what)
+               or layer_ids(raw, "eagle_aux_hidden_state_layer_ids", what=what))
+        dspark = layout == "speculators-dspark"
+        extra = dict(block_size=i(raw, "block_size", 8), mask_token_id=i(raw, "mask_token_id", bound="token_id"),
+                     anchor_predicts=b(raw, "sample_from_anchor", dspark),
+                     markov_rank=i(raw, "markov_rank", 256) if dspark else 0,
+                     markov_head_type=str_field(raw, "markov_head_type", "vanilla", what=what),
+                     confidence_head=b(raw, "enable_confidence_head", False) and dspark,
+                     confidence_with_markov=b(raw, "confidence_head_with_markov", True))
+        dv = i(raw, "draft_vocab_size", None, bound="vocab_size")
+        if dv and dv != i(lc, "vocab_size", tc.vocab_size, prefix=lp):
+            raise SpecloomError(f"{path}: a reduced draft vocabulary ({dv} tokens) is not supported for "
+                                f"{method}; specloom serves full-vocabulary block drafters")
+    else:  # zlab, deepspec: a Qwen3 config at the top level
+        lc = raw
+        dc = sub_dict(raw, "dflash_config", what)
+        zids = layer_ids(dc, "target_layer_ids", "dflash_config.", what)
+        if zids is None:
+            zids = layer_ids(raw, "target_layer_ids", what=what)
+        if zids is None:
+            zids = default_zlab_ids(i(raw, "num_target_layers", L, bound="num_hidden_layers"), i(raw, "num_hidden_layers"))
+        ids = [z + 1 for z in zids]
+        deepspec = layout == "deepspec"
+        mask = i(dc, "mask_token_id", None, bound="token_id", prefix="dflash_config.")
+        extra = dict(block_size=i(dc, "block_size", i(raw, "block_size", 16), prefix="dflash_config."),
+                     mask_token_id=i(raw, "mask_token_id", bound="token_id") if mask is None else mask,
+                     anchor_predicts=deepspec, markov_rank=i(raw, "markov_rank", 0) if deepspec else 0,
+                     markov_head_type=str_field(raw, "markov_head_type", "vanilla", what=what),
+                     confidence_head=b(raw, "enable_confidence_head", False) and deepspec,
+                     confidence_with_markov=b(raw, "confidence_head_with_markov", True))
+        if raw.get("is_causal") or dc.get("causal") or dc.get("use_swa"):
+            raise SpecloomError(f"{path}: causal / sliding-window draft layers are not supported")
+    H = i(lc, "hidden_size", prefix=lp)
+    heads = i(lc, "num_attention_heads", prefix=lp)
+    kv_heads = i(lc, "num_key_value_heads", heads, prefix=lp)
+    given = lc.get("head_dim") not in (None, 0)
+    check_attention_shape(H, heads, kv_heads, given, what)
+    cfg = BlockDraftConfig(
+        hidden_size=H, num_layers=i(lc, "num_hidden_layers", prefix=lp), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=i(lc, "head_dim", prefix=lp) if given else H // heads,
+        intermediate_size=i(lc, "intermediate_size", prefix=lp), vocab_size=i(lc, "vocab_size", tc.vocab_size,
+                                                                            prefix=lp),
+        block_size=extra["block_size"], mask_token_id=extra["mask_token_id"], feature_ids=(),
+        target_hidden_size=i(raw, "target_hidden_size", H, bound="hidden_size"),
+        rms_norm_eps=float_field(lc, "rms_norm_eps", 1e-6, prefix=lp, what=what),
+        rope_theta=float_field(lc, "rope_theta", 1000000.0, prefix=lp, what=what),
+        anchor_predicts=extra["anchor_predicts"], markov_rank=extra["markov_rank"],
+        markov_head_type=extra["markov_head_type"], confidence_head=extra["confidence_head"],
+        confidence_with_markov=extra["confidence_with_markov"],
+        max_position=i(lc, "max_position_embeddings", tc.max_position, prefix=lp),
+    )
     if not ids:
-        ids = (meta_of(raw).get("feature_ids") or [])
+        ids = layer_ids(meta_of(raw), "feature_ids", "specloom.", what)
     if not ids:
         raise SpecloomError(f"{path}: the {method} drafter config names no target layer ids")
-    cfg.feature_ids = tuple(int(i) for i in ids)
+    cfg.feature_ids = tuple(ids)
     bad = [i for i in cfg.feature_ids if not 0 <= i <= L]
     if bad:
         zl = layout not in ("speculators-dflash", "speculators-dspark")

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from ...config_fields import check_attention_shape, config_dict, float_field, int_field
+from ...config_fields import check_attention_shape, config_dict, float_field, int_field, layer_ids, sub_dict
 from ...errors import SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
@@ -72,14 +72,13 @@ def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
     )
     if not eagle3:
         cfg.draft_vocab_size = cfg.vocab_size
-    ids = (raw.get("eagle_aux_hidden_state_layer_ids")
-           or (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-           or (raw.get("specloom") or {}).get("feature_ids"))
+    key = "eagle_aux_hidden_state_layer_ids"
+    ids = (layer_ids(raw, key, what=what)
+           or layer_ids(sub_dict(raw, "eagle_config", what), key, "eagle_config.", what)
+           or layer_ids(sub_dict(raw, "specloom", what), "feature_ids", "specloom.", what))
     L = tc.num_layers
     if not ids:
         ids = (2, L // 2, L - 3) if eagle3 else (L,)
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise SpecloomError(f"{what} field eagle_aux_hidden_state_layer_ids must be a list of layer ids, got {ids!r}")
     cfg.feature_ids = tuple(ids)
     bad = [i for i in cfg.feature_ids if not 0 <= i <= L]
     if bad:

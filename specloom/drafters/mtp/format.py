@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from ...config_fields import int_field, sub_dict
 from ...errors import SpecloomError
 from ..checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
 from .model import MTPModel
@@ -27,7 +28,8 @@ MTP_FILE = "model-mtp.safetensors"
 
 
 def declares_mtp(raw: dict) -> bool:
-    return int(raw.get("num_nextn_predict_layers") or 0) > 0
+    """The config names MTP layers (their count is checked by read_mtp_config)."""
+    return raw.get("num_nextn_predict_layers") not in (None, 0, False)
 
 
 def find_mtp_dir(model: str | None, target_config) -> str:
@@ -39,13 +41,23 @@ def find_mtp_dir(model: str | None, target_config) -> str:
 
 
 def read_mtp_config(path: str, target_config) -> dict:
+    """The checkpoint's config.json, every field we read typed and bounded (config_fields.py) and compared with the
+    target before anything is built."""
     raw = _load_json(os.path.join(path, "config.json"))
     if not declares_mtp(raw):
         raise SpecloomError(f"{path}: the checkpoint declares no MTP layers (config.json has no "
                             "num_nextn_predict_layers > 0)")
-    for key, mine in (("hidden_size", target_config.hidden_size), ("vocab_size", target_config.vocab_size)):
-        if key in raw and int(raw[key]) != mine:
-            raise SpecloomError(f"{path}: MTP layers for {key} {raw[key]}, but the target has {mine}")
+    what = f"{path}: mtp drafter config"
+    int_field(raw, "num_nextn_predict_layers", what=what)
+    tc = target_config
+    for key, mine in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
+                      ("num_hidden_layers", tc.num_layers)):
+        theirs = int_field(raw, key, mine, what=what)
+        if theirs != mine:
+            raise SpecloomError(f"{path}: MTP layers for {key} {theirs}, but the target has {mine}")
+    meta = sub_dict(raw, "specloom_mtp", what) or sub_dict(raw, "specloom", what)
+    for key in ("depth", "tree_width", "num_draft_tokens"):  # the drafter's defaults (drafter.py)
+        int_field(meta, key, None, prefix="specloom.", what=what, bound="draft_depth")
     return raw
 
 
@@ -67,19 +79,18 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
     tc = target.config
     raw = read_mtp_config(path, tc)
     N = int(raw["num_nextn_predict_layers"])
-    L = int(raw.get("num_hidden_layers") or tc.num_layers)
-    if L != tc.num_layers:
-        raise SpecloomError(f"{path}: MTP layers of a {L}-layer model, but the target has {tc.num_layers} layers")
+    L = tc.num_layers
     meta = raw.get("specloom_mtp") or raw.get("specloom") or {}
-    model = MTPModel(tc, N)
+    with torch.device("meta"):  # the expected shapes, nothing allocated: every tensor is checked first
+        shapes = MTPModel(tc, N)
     tensors = read_prefixed(path, tuple(f"model.layers.{L + i}." for i in range(N)))
-    own = model.state_dict()
+    own = shapes.state_dict()
     state = {}
     offset = tc.family_spec.norm_weight_offset  # Gemma: (1 + w) norms, folded as the target loader folds them
     for i in range(N):
         prefix = f"model.layers.{L + i}."
         where = f"{path}: the config declares {N} MTP layer(s) (num_nextn_predict_layers) but"
-        for name, sources in _hf_names(model).items():
+        for name, sources in _hf_names(shapes).items():
             shape = own[f"layers.{i}.{name}"].shape
             if name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight") or len(sources) == 1:
                 if prefix + sources[0] not in tensors:
@@ -95,6 +106,7 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
             if offset and name.startswith("block.") and name.endswith("norm.weight"):
                 t = t.float() + offset
             state[f"layers.{i}.{name}"] = t.float()
+    model = MTPModel(tc, N)
     model.load_state_dict(state)
     model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     model.attach_target(target)
