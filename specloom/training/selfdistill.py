@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..atomic import replacing, write_json, write_text
 from ..errors import SpecloomError
 from .magpie import ChatFrame, QueryFilter
 
@@ -300,8 +301,8 @@ class ShardStore:
         tensors = {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offs, dtype=torch.int64),
                    "loss_mask": torch.tensor(masks, dtype=torch.uint8), "job_ids": torch.tensor(jobs, dtype=torch.int64)}
         path = os.path.join(self.out_dir, f"shard_{self.next_shard:05d}.safetensors")
-        save_file(tensors, path + ".tmp", metadata={"specloom": json.dumps(info)})
-        os.replace(path + ".tmp", path)
+        with replacing(path) as tmp:
+            save_file(tensors, tmp, metadata={"specloom": json.dumps(info)})
         self.next_shard += 1
         self.buf, self.buf_tokens = [], 0
         self.write_card()
@@ -329,8 +330,7 @@ class ShardStore:
             "answer_tokens_per_s_this_run": round(self.answer_this_run / max(el, 1e-9), 1),
             "seconds_this_run": round(el, 1),
         }
-        with open(os.path.join(self.out_dir, "progress.json"), "w") as f:
-            json.dump(prog, f, indent=1)
+        write_json(os.path.join(self.out_dir, "progress.json"), prog, indent=1)
         c = self.card
         lines = [f"# Self-distillation data for {c['target']}", "",
                  f"Command: `{c['command']}`", "",
@@ -352,8 +352,7 @@ class ShardStore:
                       f"dedup rate (exact + same first 10 words) {prog['magpie_queries_this_run']['dedup_rate']:.1%}."]
         lines += ["", f"Throughput this run: {prog['answer_tokens_per_s_this_run']} answer tokens/s over "
                   f"{el / 60:.1f} min. Prompts under `eval/` are refused; the eval set is never trained on.", ""]
-        with open(os.path.join(self.out_dir, "DATACARD.md"), "w") as f:
-            f.write("\n".join(lines))
+        write_text(os.path.join(self.out_dir, "DATACARD.md"), "\n".join(lines))
 
 
 def make_jobs(prompts: list[tuple[str, list[int]]], magpie: int, sampled_fraction: float, multi_turn: float,
@@ -441,8 +440,7 @@ def build_dataset(
             raise SpecloomError(f"{out_dir} holds data made with other settings "
                                 f"({', '.join(f'{k}: {old.get(k)} there, {settings[k]} now' for k in diff)}); "
                                 "use a new --out directory or the same settings")
-    with open(meta_path, "w") as f:
-        json.dump(meta, f, indent=1)
+    write_json(meta_path, meta, indent=1)
     card = {"target": target, "fingerprint": meta["fingerprint"], "command": command or "specloom data", **settings}
     store = ShardStore(out_dir, shard_tokens, len(jobs), card)
     store.load_existing()

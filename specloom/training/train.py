@@ -13,13 +13,13 @@ Labels are the target's own: soft distributions from its head applied to the sto
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 import time
 
 import torch
 
+from ..atomic import replacing, write_json
 from ..errors import SpecloomError
 from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
 
@@ -167,10 +167,10 @@ def run_training(args) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
             if step % args.save_every == 0 or step == total:
-                torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
-                            "settings": settings}, state_path + ".tmp")
-                os.replace(state_path + ".tmp", state_path)
+                with replacing(state_path) as tmp:
+                    torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
+                                "settings": settings}, tmp)
         epoch += 1
         if timed_out():
             print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
@@ -194,10 +194,8 @@ def run_training(args) -> dict:
     meta.update(tr.extra_meta(data, eval_idx))
     tr.save(args.out, meta)
     _plot_losses(history, os.path.join(args.out, "loss.png"), args.kind)
-    with open(os.path.join(args.out, "history.json"), "w") as f:
-        json.dump(history, f)
-    with open(os.path.join(args.out, "evals.json"), "w") as f:
-        json.dump(evals, f, indent=1)
+    write_json(os.path.join(args.out, "history.json"), history)
+    write_json(os.path.join(args.out, "evals.json"), evals, indent=1)
     return {"held_out": ev, "steps": step}
 
 
