@@ -32,3 +32,18 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj, **kw) -> None:
     write_text(path, json.dumps(obj, **kw))
+
+
+def remove_stale(directory: str) -> None:
+    """Remove the temporary files a killed writer left in `directory` (they are never read)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[2] == "tmp" and parts[1].isdigit():
+            try:
+                os.remove(os.path.join(directory, name))
+            except OSError:
+                pass

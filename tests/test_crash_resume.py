@@ -107,6 +107,7 @@ def test_data_killed_and_rerun_equals_an_uninterrupted_run(runs, seed):
     want = _conversations(whole)
     assert sorted(want) == list(range(80))
     assert _conversations(killed) == want
+    assert not [f for f in os.listdir(killed) if f.endswith(".tmp")]
     assert json.load(open(os.path.join(killed, "meta.json"))) == json.load(open(os.path.join(whole, "meta.json")))
     assert _totals(killed) == _totals(whole)
     assert alive and 0 < before < 80, (alive, before)  # it was killed part-way, with something already stored
@@ -129,6 +130,7 @@ def test_train_killed_and_rerun_equals_an_uninterrupted_run(runs):
     step = torch.load(state, weights_only=False)["step"]
     p = _run(_train_args(target, data, killed))
     assert f"resuming at step {step}/300" in p.stderr
+    assert not [f for f in os.listdir(killed) if f.endswith(".tmp")]
     a, b = _weights(whole), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     hist = [json.load(open(os.path.join(d, "history.json"))) for d in (whole, killed)]
@@ -148,3 +150,13 @@ def test_a_failed_write_leaves_the_old_file(tmp_path):
                 f.write('{"v": 2, "tor')  # killed here, as far as the reader can tell
             raise RuntimeError
     assert json.load(open(path)) == {"v": 1} and os.listdir(tmp_path) == ["meta.json"]
+
+
+def test_stale_temporary_files_are_removed(tmp_path):
+    """What a SIGKILL mid-write leaves (`<name>.<pid>.tmp`) is removed when the job starts again; nothing else."""
+    from specloom.atomic import remove_stale
+
+    for name in ("train_state.pt.4242.tmp", "shard_00003.safetensors.17.tmp", "notes.tmp", "keep.json"):
+        (tmp_path / name).write_text("x")
+    remove_stale(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["keep.json", "notes.tmp"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..atomic import replacing, write_json, write_text
+from ..atomic import remove_stale, replacing, write_json, write_text
 from ..errors import SpecloomError
 from .magpie import ChatFrame, QueryFilter
 
@@ -441,6 +441,7 @@ def build_dataset(
                                 f"({', '.join(f'{k}: {old.get(k)} there, {settings[k]} now' for k in diff)}); "
                                 "use a new --out directory or the same settings")
     write_json(meta_path, meta, indent=1)
+    remove_stale(out_dir)  # a killed run's half-written shard, if any
     card = {"target": target, "fingerprint": meta["fingerprint"], "command": command or "specloom data", **settings}
     store = ShardStore(out_dir, shard_tokens, len(jobs), card)
     store.load_existing()

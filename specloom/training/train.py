@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..atomic import replacing, write_json
+from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
 from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
 
@@ -113,6 +113,7 @@ def run_training(args) -> dict:
           file=sys.stderr, flush=True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     os.makedirs(args.out, exist_ok=True)
+    remove_stale(args.out)  # a killed run's half-written checkpoint, if any
     state_path = os.path.join(args.out, "train_state.pt")
     batches_per_epoch = len(data.groups(train_idx, args.tokens_per_batch, 0))
     total = args.steps or batches_per_epoch * args.epochs
