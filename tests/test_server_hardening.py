@@ -213,6 +213,24 @@ def test_aborted_requests_counted(live):
     _still_serving(port)
 
 
+def test_bounds_apply_to_their_union_member(live):
+    """A stop string longer than 4 characters is valid (the 4-item cap is on the list form only); temperature takes
+    an integer, not a bool; the OpenAPI schema carries each bound on the member it is for."""
+    port, _ = live
+    for extra in ({"stop": "a long stop string"}, {"stop": ["first stop", "second stop"]}, {"temperature": 0},
+                  {"top_p": 1}):
+        status, body = _post(port, "/v1/chat/completions", json.dumps({**OK_CHAT, **extra}).encode())
+        assert status == 200, (extra, body)
+    for extra, param in (({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"temperature": True}, "temperature")):
+        status, body = _post(port, "/v1/chat/completions", json.dumps({**OK_CHAT, **extra}).encode())
+        assert status == 400 and body["error"]["param"] == param, (extra, body)
+    doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json").read())
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert {"type": "string"} in props["stop"]["anyOf"] and "maxLength" not in props["stop"]
+    assert {"items": {"type": "string"}, "maxItems": 4, "type": "array"} in props["stop"]["anyOf"]
+    assert {"maximum": 2, "minimum": 0, "type": "number"} in props["temperature"]["anyOf"]
+
+
 def test_openapi_describes_request_bodies(live):
     port, _ = live
     doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json").read())

@@ -5,14 +5,16 @@ server itself. Fields OpenAI has and specloom ignores (e.g. `user`, `frequency_p
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 from pydantic import model_validator
 
 from .http_errors import APIError
 
-Number = Union[StrictInt, StrictFloat]
+# StrictFloat takes an integer too (1 as 1.0) but neither a bool nor a string; a bound on a field whose type is a
+# union would be applied to every member (a 4-item cap on `stop` also capped a stop *string* at 4 characters) and
+# written beside `anyOf` in the JSON schema, where no validator reads it: each bound sits on the one member it is for.
 Int64 = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
 
 
@@ -58,11 +60,11 @@ class StreamOptions(_Open):
 class _Sampling(_Open):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: Number | None = Field(default=None, ge=0, le=2)
-    top_p: Number | None = Field(default=None, gt=0, le=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
     n: StrictInt | None = Field(default=None, ge=1)
     seed: StrictInt | None = Int64
-    stop: StrictStr | list[StrictStr] | None = Field(default=None, max_length=4)
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
 
