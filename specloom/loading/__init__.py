@@ -24,6 +24,7 @@ from ..errors import SpecloomError
 from ..models import DecoderLM
 from ..tokenizer import Tokenizer
 from .formats import apply_kernels
+from .quant_config import read_quant_config
 from .weights import build_model, load_state_dict
 
 log = logging.getLogger("specloom")
@@ -167,13 +168,16 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
 
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
-    device: str | torch.device | None = "cpu", kernel: str = "auto",
+    device: str | torch.device | None = "cpu", kernel: str = "auto", weights_resident: str | None = None,
 ) -> tuple[DecoderLM, Tokenizer]:
     """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory. `device`:
     where the weights go (`cpu`, `cuda`, `cuda:N`; None = `default_device()`); tensors are read (and GGUF blocks
     dequantized) on the CPU and moved there module by module. `kernel`: the linear kernel ("auto": chosen per
     host by a measured, cached probe among those that keep the model's numerics; or one of
-    `cpu_packing.KERNELS`, forced for every pass); the choice is `model.kernel_choice`."""
+    `cpu_packing.KERNELS`, forced for every pass); the choice is `model.kernel_choice`. `weights_resident`:
+    "dequantized" (the default: quantized weights -- FP8, MXFP4, NVFP4, decided per module -- are dequantised
+    into `dtype` at load) or "quantized" (held in their checkpoint format, dequantised on each forward); None reads
+    SPECLOOM_WEIGHTS_RESIDENT."""
     dt = parse_dtype(dtype)
     dev = parse_device(device)
     source = resolve(name)
@@ -186,8 +190,10 @@ def load_target(
 
         tensors, quant_config = gguf_raw_tensors(source.path, raw), None  # dequantized by the `gguf` format
     else:
-        tensors, quant_config = _hf_dir_tensors(source.path), raw.get("quantization_config")
-    state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, device=dev, progress=progress)
+        tensors, quant_config = _hf_dir_tensors(source.path), read_quant_config(raw, source.path)
+    resident = weights_resident or os.environ.get("SPECLOOM_WEIGHTS_RESIDENT") or "dequantized"
+    state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, device=dev, progress=progress,
+                                  resident=resident)
     model = build_model(config, state, device=dev)
     model.kernel_choice = None
     if pack:

@@ -15,17 +15,30 @@ Registered formats:
   fp16, and any non-CPU device: CUDA never gets oneDNN packing).
 * `gguf` -- GGUF tensors of any GGML type the `gguf` package dequantizes (`specloom.loading.gguf_file`); they
   are dequantized at load, so the kernel is chosen as for `dense`.
+* `fp8` (fp8.py) -- FP8 E4M3 with per-tensor / per-channel / 128x128 block scales (compressed-tensors'
+  `weight_scale`, DeepSeek's `weight_scale_inv`); `mxfp4` (mxfp4.py) -- OCP MXFP4 `weight_blocks` +
+  `weight_scales` (and DeepSeek-V4's int8 `weight` + E8M0 `scale`; gpt-oss fused experts via
+  `mxfp4.dequantize_experts`); `nvfp4` (nvfp4.py) -- ModelOpt NVFP4 `weight` + `weight_scale` + `weight_scale_2`.
+  They share quant_base.py: dequantised into the compute dtype at load (then run like `dense`), or, with
+  `load_target(..., weights_resident="quantized")` / SPECLOOM_WEIGHTS_RESIDENT=quantized, held in their format
+  as a `QuantLinear` that dequantises on each forward.
 
-Adding a format (FP8, MXFP4, NVFP4, ...), without touching the models (they build plain `nn.Linear`s):
-1. write an object with `name`, `description`, `matches`, `load` and `kernel` (see `WeightFormat`). `matches`
-   reads the tensor names/dtypes (e.g. `weight` float8_e4m3fn + `weight_scale_inv`) and/or `quant_config` (HF's
-   `quantization_config`, e.g. `quant_method == "fp8"`); it must be false for any layout it cannot load.
+The format is decided per module, from its tensors (names, dtypes, shapes) and from what the checkpoint's
+config declares for that module (quant_config.py: hf_quant_config.json and config.json's quantization_config,
+exclude / ignore patterns, MIXED_PRECISION's quantized_layers): tensors in a quantized format the config does not
+declare for the module, a declared format the tensors are not in, an unknown quant_algo, or tensors that nearly
+fit a format (a scale missing, a shape off: the format's `problems` say which) each fail with one `SpecloomError`
+naming the module, what was found and what was expected.
+
+Adding a format (without touching the models: they build plain `nn.Linear`s):
+1. write an object with `name`, `description`, `matches`, `load` and `kernel` (see `WeightFormat`; a quantized
+   one subclasses `quant_base.QuantFormat` and writes `problems` / `pack` / `dequantize` and its `config_names`,
+   the quant_algo names that declare it). `matches` must be false for any layout it cannot load.
 2. `register_format(MyFormat(), before="dense")` -- formats are tried in order, so a narrower format goes first.
 3. `load` returns the parameters its kernel needs, `kernel(linear, device)` the `nn.Module` that runs them
    (`forward(x)` like the `nn.Linear` it replaces; return `linear` itself to keep it).
-What a non-dense parameter set still needs from the loader (today every format loads to a dense `weight`/`bias`):
-fused projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj) concatenate each parameter along dim 0, and
-`build_model` accepts only the parameter names of the model's modules.
+Fused projections (q/k/v -> qkv_proj, gate/up -> gate_up_proj) concatenate each parameter along dim 0 (a held
+`Quantized` concatenates its row-major tensors the same way).
 """
 
 from __future__ import annotations
@@ -38,7 +51,11 @@ from torch import nn
 
 from ..errors import SpecloomError
 from ..models import cpu_packing
+from .fp8 import FP8Format
 from .gguf_file import GGUFTensor, dequantize_gguf, gguf_dequantizable
+from .mxfp4 import MXFP4Format
+from .nvfp4 import NVFP4Format
+from .quant_config import DENSE, as_quant_config
 
 # A module's tensors under their short names ("weight", "bias", "weight_scale_inv", ...): torch tensors for
 # HF checkpoints, `GGUFTensor`s for GGUF files; a format decides what it accepts.
@@ -132,6 +149,8 @@ def register_format(fmt: WeightFormat, before: str | None = None) -> WeightForma
 
 register_format(DenseFormat())
 register_format(GGUFFormat())
+for _fmt in (FP8Format(), MXFP4Format(), NVFP4Format()):  # narrower than dense: tried first
+    register_format(_fmt, before="dense")
 
 
 def format_names() -> list[str]:
@@ -159,18 +178,60 @@ def _describe(t: Any) -> str:
     return f"{type(t).__name__}" + (f" {dtype}" if dtype is not None else "")
 
 
-def format_for(module: str, tensors: Tensors, quant_config: dict | None = None) -> WeightFormat:
-    """The first registered format that reads this module's tensors; a `SpecloomError` when none does."""
-    for fmt in FORMATS.values():
-        if fmt.matches(module, tensors, quant_config):
-            return fmt
+def _algo_formats() -> dict[str, WeightFormat]:
+    return {n.upper(): f for f in FORMATS.values() for n in getattr(f, "config_names", ())}
+
+
+def _expected(fmt: WeightFormat | None) -> str:
+    return f"{fmt.name}: {fmt.description}" if fmt is not None else "dense fp32/bf16/fp16 `weight` (+ `bias`)"
+
+
+def _check_declared(module: str, fmt: WeightFormat, found: str, declared, qc) -> None:
+    """The format the tensors are in against what the config declares for this module: one error if they differ."""
+    algo = declared.algo if declared is not None else None
+    by_algo = _algo_formats()
+    if algo not in (None, DENSE) and algo not in by_algo:
+        raise SpecloomError(f"module {module!r}: {declared.where}, an unknown quant_algo {algo!r} (known: "
+                            f"{', '.join(sorted(by_algo))})")
+    want = by_algo.get(algo)
+    if getattr(fmt, "quantized", False):
+        if qc is None:
+            raise SpecloomError(
+                f"module {module!r}: its tensors [{found}] are {fmt.name} but the checkpoint's config declares no "
+                "quantization (no quantization_config in config.json, no hf_quant_config.json); expected "
+                f"{_expected(None)}, or a config that declares {fmt.name}")
+        if want is not fmt:
+            said = declared.where if declared is not None else "the config declares nothing for it"
+            raise SpecloomError(f"module {module!r}: {said}, so expected {_expected(want)}; found {fmt.name} "
+                                f"tensors [{found}]")
+    elif want is not None and declared.explicit:
+        raise SpecloomError(f"module {module!r}: {declared.where}, so expected {_expected(want)}; found "
+                            f"{fmt.name} tensors [{found}]")
+
+
+def format_for(module: str, tensors: Tensors, quant_config=None, checkpoint_name: str | None = None) -> WeightFormat:
+    """The first registered format that reads this module's tensors, checked against what `quant_config` (a
+    `QuantConfig` or HF's `quantization_config` dict) declares for the module (`checkpoint_name`: its name as the
+    checkpoint spells it, default `module`); one `SpecloomError` when none reads them or they disagree."""
+    qc = as_quant_config(quant_config)
+    declared = qc.declared(checkpoint_name or module) if qc is not None else None
     found = ", ".join(f"{k}: {_describe(t)}" for k, t in sorted(tensors.items()))
+    for fmt in FORMATS.values():
+        if fmt.matches(checkpoint_name or module, tensors, qc):
+            _check_declared(module, fmt, found, declared, qc)
+            return fmt
     quant = ""
-    if quant_config:
-        quant = f" (the config's quantization_config has quant_method {quant_config.get('quant_method')!r})"
+    if qc is not None and qc.get("quant_method") is not None:
+        quant = f" (the config's quantization_config has quant_method {qc.get('quant_method')!r})"
+    if declared is not None and declared.algo != DENSE:
+        quant += f" ({declared.where})"
+    params = dict(declared.params) if declared is not None else {}
+    near = [f"{f.name}: {'; '.join(p)}" for f in FORMATS.values()
+            if hasattr(f, "problems") and (p := f.problems(module, tensors, params))]
+    near_s = f"; as {' / '.join(near)}" if near else ""
     known = "; ".join(f"{f.name}: {f.description}" for f in FORMATS.values())
     raise SpecloomError(
-        f"module {module!r}: no weight format reads its tensors [{found}]{quant}; known formats: {known}"
+        f"module {module!r}: no weight format reads its tensors [{found}]{quant}{near_s}; known formats: {known}"
     )
 
 

@@ -9,6 +9,7 @@ tensors load, fuses q/k/v and gate/up, folds the family's norm convention (Gemma
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -18,6 +19,10 @@ from ..config import ModelConfig
 from ..errors import SpecloomError
 from ..models import FAMILIES, DecoderLM
 from .formats import format_for, split_tensor_name
+from .quant_base import Quantized
+from .quant_config import as_quant_config
+
+RESIDENT = ("dequantized", "quantized")
 
 _NORM_WEIGHT = re.compile(r"(layernorm|norm)\.weight$")
 
@@ -42,14 +47,22 @@ def load_state_dict(
     config: ModelConfig,
     items: Iterable[tuple[str, object]],
     dtype: torch.dtype,
-    quant_config: dict | None = None,
+    quant_config=None,
     device: str | torch.device = "cpu",
     progress: bool = False,
+    resident: str = "dequantized",
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """HF names/tensors -> (specloom names/tensors as `dtype`, {specloom module: weight format it came from}).
 
     `items` holds whatever the checkpoint stores (torch tensors, `GGUFTensor`s, ...); each module's tensors are
-    loaded by the format `formats.format_for` picks for them. Fusions are exact concatenations."""
+    loaded by the format `formats.format_for` picks for them, checked against what `quant_config` (a
+    `QuantConfig`, or HF's `quantization_config` dict) declares for the module. Fusions are exact concatenations.
+    `resident="quantized"`: the linears of a quantized format stay quantized (a `Quantized` under
+    `<linear>.weight`, which `build_model` runs as a `QuantLinear`); by default every weight is dequantised here."""
+    if resident not in RESIDENT:
+        raise SpecloomError(f"unknown weights_resident {resident!r} (choose {' or '.join(RESIDENT)})")
+    qc, seen, held = as_quant_config(quant_config), {}, {}
+    items = _noting(items, seen)
     modules: dict[str, dict[str, object]] = {}
     for name, t in items:
         if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
@@ -61,16 +74,20 @@ def load_state_dict(
             continue  # MTP layers (DeepSeek layout) and DSpark stages: read by their drafters, not the target
         module, key = split_tensor_name(name)
         modules.setdefault(module, {})[key] = t
+    if qc is not None:
+        qc.note_modules(seen.values())
+        warn_unused_excludes(qc)
+    linears = _linears(config) if resident == "quantized" else set()
     offset = config.family_spec.norm_weight_offset
     sd: dict[str, torch.Tensor] = {}
     fmt_of: dict[str, str] = {}
     for module, tensors in tqdm(modules.items(), desc="loading weights", unit="module", disable=not progress,
                                 leave=False):
-        fmt = format_for(module, tensors, quant_config)
+        fmt = format_for(module, tensors, qc, checkpoint_name=seen.get(module))
         fmt_of[module] = fmt.name
         # a folded norm is loaded in fp32 and rounded to `dtype` once, after the fold
         load_dtype = torch.float32 if offset and module.endswith("norm") else dtype
-        for key, t in fmt.load(module, tensors, load_dtype, device).items():
+        for key, t in _load(fmt, module, tensors, load_dtype, device, qc, seen, held, linears).items():
             sd[f"{module}.{key}" if module else key] = t
     out: dict[str, torch.Tensor] = {}
     plan: dict[str, str] = {}
@@ -109,7 +126,64 @@ def load_state_dict(
         if offset and _NORM_WEIGHT.search(name):
             t = t.float() + offset  # e.g. Gemma's RMSNorm multiplies by (1 + w)
         out[name] = t.to(dtype)
+    _hold(out, held)
     return out, plan
+
+
+def _noting(items, seen: dict):
+    """`items`, recording {specloom module: the module's name in the checkpoint} (every module, drafters' too)."""
+    for name, t in items:
+        seen.setdefault(split_tensor_name(_strip(name))[0], split_tensor_name(name)[0])
+        yield name, t
+
+
+def warn_unused_excludes(qc) -> None:
+    unused = qc.unused_excludes()
+    if unused:
+        print("specloom: warning: exclude pattern(s) that match no module of the checkpoint: "
+              + "; ".join(f"{p!r} ({where})" for where, p in unused), file=sys.stderr, flush=True)
+
+
+_PARTS = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+          "up_proj": "gate_up_proj"}
+_ORDER = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+def _fused_name(module: str) -> str:
+    head, _, last = module.rpartition(".")
+    return f"{head}.{_PARTS[last]}" if last in _PARTS else module
+
+
+def _linears(config: ModelConfig) -> set[str]:
+    """The names of the model's `nn.Linear`s (a meta build: nothing allocated), a tied head excluded."""
+    with torch.device("meta"):
+        model = FAMILIES[config.family](config)
+    out = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    return out - {"lm_head"} if config.tie_word_embeddings else out
+
+
+def _load(fmt, module, tensors, dtype, device, qc, seen, held, linears) -> dict[str, torch.Tensor]:
+    """The module's parameters as the loader fuses them. A linear held quantized gets a meta placeholder for
+    its weight (the fusions concatenate those as they do dense ones; `_hold` swaps in the `Quantized`)."""
+    name = seen.get(module, module)
+    if not getattr(fmt, "quantized", False):
+        return fmt.load(module, tensors, dtype, device)
+    if _fused_name(module) not in linears:
+        return fmt.load(name, tensors, dtype, device, quant_config=qc)
+    qz = held[module] = fmt.load_quantized(name, tensors, dtype, device, qc)
+    out = {"weight": torch.empty(qz.shape, dtype=dtype, device="meta")}
+    if "bias" in tensors:
+        out["bias"] = tensors["bias"].to(device=device, dtype=dtype)
+    return out
+
+
+def _hold(out: dict, held: dict) -> None:
+    groups: dict[str, list[str]] = {}
+    for module in held:
+        groups.setdefault(_fused_name(module), []).append(module)
+    for name, parts in groups.items():
+        parts.sort(key=lambda m: _ORDER.index(m.rpartition(".")[2]) if m.rpartition(".")[2] in _ORDER else 0)
+        out[f"{name}.weight"] = Quantized.cat([held[m] for m in parts], name)
 
 
 def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, object]], dtype: torch.dtype):
@@ -118,10 +192,28 @@ def convert_hf_state_dict(config: ModelConfig, items: Iterable[tuple[str, object
 
 
 def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> DecoderLM:
-    """Instantiate the family's model without random init and load `state` (specloom names) strictly."""
+    """Instantiate the family's model without random init and load `state` (specloom names) strictly. A
+    `Quantized` entry under `<linear>.weight` puts a `QuantLinear` (held quantized) in that linear's place."""
     cls = FAMILIES[config.family]
     with torch.device("meta"):
         model = cls(config)  # shapes only: nothing is allocated before the checkpoint matches them
+    held = {k[: -len(".weight")]: v for k, v in state.items() if isinstance(v, Quantized)}
+    state, bias = dict(state), {}
+    named = dict(model.named_modules())
+    for name, qz in held.items():
+        linear = named.get(name)
+        if type(linear) is not torch.nn.Linear:
+            raise SpecloomError(f"malformed checkpoint: {name} is stored quantized but is not a linear layer")
+        if qz.shape != (linear.out_features, linear.in_features):
+            raise SpecloomError(f"malformed checkpoint: {name}.weight has shape {qz.shape}, the config implies "
+                                f"{(linear.out_features, linear.in_features)}")
+        del state[f"{name}.weight"]
+        if linear.bias is not None:
+            if f"{name}.bias" not in state:
+                raise SpecloomError(f"malformed checkpoint: missing tensors ['{name}.bias']")
+            bias[name] = state.pop(f"{name}.bias")
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, torch.nn.Identity())  # its QuantLinear: below
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -141,6 +233,10 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    compute = state["embed_tokens.weight"].dtype if "embed_tokens.weight" in state else torch.float32
+    for name, qz in held.items():
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, qz.module(compute, bias.get(name)))
     model.eval().requires_grad_(False)
     return model
 
