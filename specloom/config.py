@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from .config_fields import check_attention_shape, config_dict, float_field, int_field, sub_dict
 from .errors import SpecloomError
+from .moe_config import MoEConfig, parse_moe
 
 if TYPE_CHECKING:
     from .models.family import FamilySpec
@@ -63,6 +64,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (moe_config.py); None: every MLP dense
     # Where the target was read from when it is a HF directory (drafters built into the checkpoint -- MTP layers,
     # DSpark -- are read from there); None for GGUF files and models built in memory.
     source_dir: str | None = field(default=None, compare=False)
@@ -195,4 +197,5 @@ class ModelConfig:
             final_logit_softcapping=float_field(cfg, "final_logit_softcapping", None),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=parse_moe(cfg, spec.moe_defaults, layers, inter),
         )

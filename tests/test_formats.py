@@ -278,7 +278,7 @@ def gguf_type(name: str):
 # -- family records -------------------------------------------------------------------------------------------------
 
 def test_family_records():
-    assert set(FAMILY_SPECS) == set(FAMILIES) == {"llama", "gemma3"}
+    assert set(FAMILY_SPECS) == set(FAMILIES) == {"llama", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"}
     for spec in FAMILY_SPECS.values():
         assert FAMILIES[spec.name] is spec.model_cls
     assert spec_for_model_type("qwen2").name == "llama" and spec_for_model_type("gemma3_text").name == "gemma3"

@@ -18,6 +18,8 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..errors import SpecloomError
 from ..models import FAMILIES, DecoderLM
+from ..moe_config import gated_mlp_prefixes
+from .experts import PLAIN_TENSORS, per_expert, renamed
 from .formats import format_for, split_tensor_name
 from .quant_base import Quantized
 from .quant_config import as_quant_config
@@ -64,6 +66,7 @@ def load_state_dict(
     qc, seen, held = as_quant_config(quant_config), {}, {}
     items = _noting(items, seen)
     modules: dict[str, dict[str, object]] = {}
+    renames = config.family_spec.hf_renames
     for name, t in items:
         if name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")):
             continue
@@ -72,8 +75,9 @@ def load_state_dict(
         name = _strip(name)
         if _builtin_drafter_tensor(name, config.num_layers):
             continue  # MTP layers (DeepSeek layout) and DSpark stages: read by their drafters, not the target
-        module, key = split_tensor_name(name)
-        modules.setdefault(module, {})[key] = t
+        for name, t in per_expert(renamed(name, renames), t):  # MoE layouts (loading/experts.py)
+            module, key = split_tensor_name(name)
+            modules.setdefault(module, {})[key] = t
     if qc is not None:
         qc.note_modules(seen.values())
         warn_unused_excludes(qc)
@@ -83,6 +87,10 @@ def load_state_dict(
     fmt_of: dict[str, str] = {}
     for module, tensors in tqdm(modules.items(), desc="loading weights", unit="module", disable=not progress,
                                 leave=False):
+        for key in PLAIN_TENSORS & set(tensors):  # no linear's tensor: loaded as it is (MoE selection bias)
+            sd[f"{module}.{key}"] = tensors.pop(key).to(device=device, dtype=dtype)
+        if not tensors:
+            continue
         fmt = format_for(module, tensors, qc, checkpoint_name=seen.get(module))
         fmt_of[module] = fmt.name
         # a folded norm is loaded in fp32 and rounded to `dtype` once, after the fold
@@ -106,13 +114,16 @@ def load_state_dict(
                 out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat(
                     [sd.pop(p + f"self_attn.{x}_proj.{kind}") for x in "qkv"], dim=0
                 )
-            out[p + "mlp.gate_up_proj.weight"] = torch.cat(
-                [sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0
-            )
+            mlps = [p + m for m in gated_mlp_prefixes(config, i)]  # `mlp.`, or each expert of an MoE layer
+            for m in mlps:
+                out[m + "gate_up_proj.weight"] = torch.cat(
+                    [sd.pop(m + "gate_proj.weight"), sd.pop(m + "up_proj.weight")], dim=0
+                )
         except KeyError as e:
             raise SpecloomError(f"malformed checkpoint: tensor {e.args[0]!r} is missing") from None
         fused(p + "self_attn.qkv_proj", [p + f"self_attn.{x}_proj" for x in "qkv"])
-        fused(p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"])
+        for m in mlps:
+            fused(m + "gate_up_proj", [m + "gate_proj", m + "up_proj"])
     for name, t in sd.items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue

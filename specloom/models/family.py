@@ -1,7 +1,9 @@
 """One record per model family: every fact that differs between families, in one place.
 
-A family is one decoder-block implementation (`llama`: Llama/Mistral/SmolLM2/Qwen2/Qwen3; `gemma3`). Its module
-(`specloom/models/llama.py`, `gemma3.py`) defines the model class and registers a `FamilySpec` next to it; the
+A family is one decoder-block implementation with one set of checkpoint conventions (`llama`:
+Llama/Mistral/SmolLM2/Qwen2/Qwen3; `gemma3`; the MoE layouts `qwen3_moe`, `qwen2_moe`, `mixtral`, which run the
+Llama block with an MoE MLP). Its module (`specloom/models/llama.py`, `gemma3.py`, `llama_moe.py`) defines or
+reuses the model class and registers a `FamilySpec` next to it; the
 config parser (`specloom/config.py`) and the loaders (`specloom/loading/weights.py`, `gguf_file.py`) read the
 facts from the record instead of testing the family's name. Adding a family = a new module with its block, its
 `DecoderLM` subclass and one `register_family_spec(FamilySpec(...))`, imported from `specloom/models/__init__.py`.
@@ -50,6 +52,14 @@ class FamilySpec:
     # RMSNorm multiplies by (offset + w): Gemma stores w and multiplies by (1 + w). The HF loader folds the offset
     # into the weight; llama.cpp stores offset + w in GGUF, which the GGUF loader undoes to get HF's w.
     norm_weight_offset: float = 0.0
+    # -- mixture of experts (specloom/moe_config.py, models/moe.py) ---------------------------------------------
+    # None: a dense family (expert keys in its configs are not read); a mapping: its configs may declare experts,
+    # with these values for the keys they leave out (Mixtral always renormalises the top-k weights)
+    moe_defaults: Mapping[str, object] | None = None
+    # (regex, replacement) applied in order to every HF tensor name (after the `model.` prefix is stripped), mapping
+    # the family's checkpoint names onto the Llama-style names the loader knows (Mixtral's `block_sparse_moe.experts.
+    # {e}.w1` -> `mlp.experts.{e}.gate_proj`)
+    hf_renames: tuple[tuple[str, str], ...] = ()
     # -- GGUF ----------------------------------------------------------------------------------------------------
     gguf_archs: Mapping[str, str] = field(default_factory=dict)  # GGUF `general.architecture` -> HF model_type
     # architectures whose q/k rows llama.cpp's convert_hf_to_gguf permuted for its interleaved RoPE (undone)
@@ -61,6 +71,8 @@ class FamilySpec:
     def __post_init__(self):
         object.__setattr__(self, "gguf_archs", _frozen(self.gguf_archs))
         object.__setattr__(self, "gguf_block_names", _frozen(self.gguf_block_names))
+        if self.moe_defaults is not None:
+            object.__setattr__(self, "moe_defaults", _frozen(self.moe_defaults))
         unknown = (set(self.qk_norm_model_types) | set(self.qkv_bias_model_types) | set(self.gguf_archs.values())) \
             - set(self.model_types)
         if unknown:

@@ -90,11 +90,14 @@ _ACTIVATIONS = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """down(act(gate(x)) * up(x)); `intermediate_size` defaults to the config's (an MoE expert has its own)."""
+
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
+        self.intermediate = inter
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama family: Llama-2/3.x, Mistral, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k RMSNorm). Pre-norm blocks."""
+"""Llama family: Llama-2/3.x, Mistral, SmolLM2, Qwen2/2.5 (q/k/v biases), Qwen3 (q/k RMSNorm). Pre-norm blocks; the
+block's MLP is an MoE MLP on the layers an MoE config makes sparse (the MoE families in llama_moe.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from .family import FamilySpec, register_family_spec
-from .layers import Attention, AttentionContext, GatedMLP, RMSNorm
+from .layers import Attention, AttentionContext, RMSNorm
+from .moe import mlp_for
 from .transformer import DecoderLM, register_family
 
 
@@ -17,7 +19,7 @@ class LlamaBlock(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config)
+        self.mlp = mlp_for(config, layer)  # dense, or the MoE MLP where the config makes the layer sparse
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)

@@ -35,13 +35,15 @@ class _SharedHead(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, index: int = 0):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.block = FAMILIES[config.family].block_cls(config, 0)
+        # built as decoder layer L + index (DeepSeek numbers MTP layers after the target's): an MoE config decides
+        # by that number whether its MLP is a mixture of experts, as it does for the target's layers
+        self.block = FAMILIES[config.family].block_cls(config, config.num_layers + index)
         attn = self.block.self_attn
         attn.kind, attn.layer = "full", 0  # full attention over the module's own single-layer KV cache
         self.shared_head = _SharedHead(H, eps)
@@ -54,7 +56,7 @@ class MTPModel(nn.Module):
         super().__init__()
         # Gemma's sliding layers and per-kind RoPE do not apply: each module attends to all its rows.
         self.config = dataclasses.replace(target_config, layer_types=(), sliding_window=None)
-        self.layers = nn.ModuleList(MTPLayer(self.config) for _ in range(num_layers))
+        self.layers = nn.ModuleList(MTPLayer(self.config, i) for i in range(num_layers))
         c = self.config
         self.rope = Rope(c.head_dim, c.rope_theta, c.rope_scaling)
         self._shared: dict = {"target": None}  # the target (embedding, head): shared, not owned
