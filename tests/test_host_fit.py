@@ -254,7 +254,7 @@ def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monk
     assert list((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
     nine = first(1, 9)
     # the host is 10x slower now, the curve's shape unchanged
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts: {1: 10 * first.base, 9: 10 * first.base * nine})
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 10 * first.base, 9: 10 * first.base * nine})
     again = load_aware.batch_cost_cached(model, 1)
     assert again.base == pytest.approx(10 * first.base)
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)  # same shape
@@ -278,7 +278,7 @@ def test_cached_curve_whose_shape_this_host_no_longer_shows_is_measured_again(ti
     path.write_text(json.dumps(steep))
     monkeypatch.setattr(load_aware, "measure_batch_cost",
                         lambda m, rows, budget_s=None: load_aware.BatchCost({(1, t): 1.0 + 0.01 * t for t in TOKENS}))
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts: {1: 1.0, 9: 1.1})
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 1.0, 9: 1.1})
     lines = []
     cost = load_aware.batch_cost_cached(model, 1, log=lines.append)
     assert "disagrees with this host now" in lines[0] and "1.10 measured now" in lines[0], lines
@@ -424,6 +424,6 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
     calls["n"] = 0
     probes = []  # the read's check of the cached shape, at the shape it cached (a tiny model's timings are noise)
     monkeypatch.setattr(load_aware, "time_passes",
-                        lambda m, ts: probes.append(ts) or {1: first.base, 9: first.base * first(1, 9)})
+                        lambda m, ts, repeats: probes.append(ts) or {1: first.base, 9: first.base * first(1, 9)})
     load_aware.batch_cost_cached(model, 2, log=lines.append)
     assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 9)]
