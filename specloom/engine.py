@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .constraint import Constraint
-from .drafters import DRAFTERS, Drafter
+from .drafters import DRAFTERS, Drafter, create_drafter
 from .errors import SpecloomError
 from .kv import KVCache
 from .models import DecoderLM, ForwardOutput
@@ -54,8 +54,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.speculative_config = speculative_config
         self.drafter: Drafter | None = (
-            DRAFTERS[speculative_config.method].create(speculative_config, model, tokenizer)
-            if speculative_config else None
+            create_drafter(speculative_config, model, tokenizer) if speculative_config else None
         )
         self.max_model_len = min(max_model_len or model.config.max_position, model.config.max_position)
         self.prefill_chunk = prefill_chunk

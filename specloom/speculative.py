@@ -15,15 +15,22 @@ import json
 from dataclasses import dataclass
 
 from .drafters import DRAFTERS, KINDS, Kind
+from .drafters.suffix.hybrid import KEYS as HYBRID_KEYS
 from .errors import SpecloomError
 
 KNOWN_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
 MAX_SPECULATIVE_TOKENS = 64
-COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size"}
+COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size",
+               "suffix_decoding"}
 
 
 def _all_keys() -> set[str]:
-    return COMMON_KEYS | {k for kind in KINDS.values() for k in kind.keys}
+    return COMMON_KEYS | set(HYBRID_KEYS) | {k for kind in KINDS.values() for k in kind.keys}
+
+
+def _suffix_keys() -> dict:
+    """The keys `"suffix_decoding": true` adds to any method: suffix decoding's own and the hybrid's."""
+    return {**KINDS["suffix"].keys, **HYBRID_KEYS}
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int | None = None
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
+    suffix_decoding: bool = False  # suffix decoding in front of the method's drafter (drafters/suffix/hybrid.py)
+    suffix_decoding_min_score: float | None = None
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -81,13 +90,23 @@ class SpeculativeConfig:
                 )
             raise SpecloomError(f"unknown speculative method {method!r} (known: {', '.join(KNOWN_METHODS)})")
         kind = KINDS[method]
+        hybrid = spec.get("suffix_decoding", False)
+        if not isinstance(hybrid, bool):
+            raise SpecloomError(f"suffix_decoding must be true or false, got {hybrid!r}")
+        if hybrid and method == "suffix":
+            raise SpecloomError("suffix_decoding puts suffix decoding in front of another method's drafter; "
+                                "with method 'suffix' drop it")
+        keys = {**kind.keys, **(_suffix_keys() if hybrid else {})}
         own = {}
         for key in sorted(set(spec) - COMMON_KEYS):
-            if key not in kind.keys:
+            if key not in keys:
+                extra = ("; suffix_decoding_* keys need \"suffix_decoding\": true"
+                         if key in _suffix_keys() and method != "suffix" else "")
                 raise SpecloomError(
                     f"speculative method {method!r} does not take {key!r} (its own keys: "
-                    f"{', '.join(sorted(kind.keys)) or 'none'}; common keys: {', '.join(sorted(COMMON_KEYS))})")
+                    f"{', '.join(sorted(kind.keys)) or 'none'}; common keys: {', '.join(sorted(COMMON_KEYS))}"
+                    f"{extra})")
             if spec[key] is not None:
-                own[key] = kind.keys[key](key, spec[key])
+                own[key] = keys[key](key, spec[key])
         return cls(method=method, model=spec.get("model"), num_speculative_tokens=k, disable_by_batch_size=d,
-                   **own)
+                   suffix_decoding=hybrid, **own)

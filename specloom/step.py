@@ -84,11 +84,16 @@ class Row:
     def row(self) -> int:
         return self.ctx.row
 
+    @property
+    def budget(self) -> int:
+        """The most drafted tokens one step may still emit (the token budget less the step's own token)."""
+        return max(0, self.req.max_tokens - len(self.out) - 1)
+
     def cap(self, drafter) -> int:
         """The deepest draft this row may take now (its drafter's depth, the remaining token budget)."""
         if drafter is None or not self.drafting:
             return 0
-        return max(0, min(drafter.num_speculative_tokens, self.req.max_tokens - len(self.out) - 1))
+        return min(drafter.num_speculative_tokens, self.budget)
 
     def fail(self, error: BaseException) -> None:
         """This sequence alone ends with `error` (a SpecloomError is the request's fault and its message goes to
@@ -252,7 +257,7 @@ class Stepper:
             raise ValueError(f"a step runs over rows 0..{n - 1} in order, got {[r.row for r in rows]}")
         drafter, dev = self.drafter, self.model.device
         for r in rows:
-            r.ctx.k = min(r.ctx.k, r.cap(drafter))
+            r.ctx.k, r.ctx.budget = min(r.ctx.k, r.cap(drafter)), r.budget
         trees: list[DraftTree] = [DraftTree([r.tokens[-1]], [-1]) for r in rows]
         drafting = [b for b, r in enumerate(rows) if r.ctx.k > 0]
         t = time.perf_counter()

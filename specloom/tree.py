@@ -9,6 +9,10 @@ the path to its parent — after the same temperature / top-k / top-p as the tar
 without a distribution (n-gram, argmax) leave it None: the verifier then treats each draft as a one-hot q.
 Siblings drawn without replacement carry the conditional q of each draw (earlier siblings removed).
 
+`score` (optional) is the drafter's own estimate of how many drafted tokens the target will accept (suffix
+decoding: the sum of its nodes' empirical path probabilities); it never affects verification, only which of
+two drafters' trees is verified (drafters/suffix/hybrid.py).
+
 Depth, the ancestor mask, positions and root-to-leaf paths are derived from `parents`, so they cannot disagree.
 """
 
@@ -25,6 +29,7 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]
     draft_probs: torch.Tensor | None = None  # (N, V) fp32, row 0 unused
+    score: float | None = None  # expected accepted drafted tokens, by the drafter's own estimate (None: unknown)
 
     def __post_init__(self):
         n = len(self.tokens)

@@ -7,5 +7,13 @@ them. The engine looks a method up in `DRAFTERS` / `KINDS` and never branches on
 
 from . import block, draft_model, eagle, medusa, mtp, ngram, suffix  # noqa: F401  (registration)
 from .base import DRAFTERS, KINDS, DraftContext, Drafter, Kind, register
+from .suffix.hybrid import SuffixFirst
 
-__all__ = ["DRAFTERS", "KINDS", "DraftContext", "Drafter", "Kind", "register"]
+
+def create_drafter(spec, target, tokenizer) -> Drafter:
+    """The drafter `spec` asks for (its kind's `create`), behind suffix decoding when `suffix_decoding` is set."""
+    drafter = DRAFTERS[spec.method].create(spec, target, tokenizer)
+    return SuffixFirst.wrap(drafter, spec, target.config) if spec.suffix_decoding else drafter
+
+
+__all__ = ["DRAFTERS", "KINDS", "DraftContext", "Drafter", "Kind", "create_drafter", "register"]

@@ -106,6 +106,7 @@ class DraftContext:
     row: int = 0  # this sequence's row in the target's KV store (and in the drafter's companion stores)
     kv: object = None  # the target's KV store (kv.KVCache)
     state: object = None  # the drafter's per-row state (`Drafter.new_state()`)
+    budget: int = 0  # the most drafted tokens this row may still emit (its token budget; k <= budget)
 
     @property
     def root_position(self) -> int:

@@ -82,10 +82,15 @@ class SuffixDrafter(Drafter):
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "SuffixDrafter":
+        return cls.from_keys(spec, spec.num_speculative_tokens)
+
+    @classmethod
+    def from_keys(cls, spec, k: int | None) -> "SuffixDrafter":
+        """A suffix drafter of depth `k` (None: the default) with `spec`'s `suffix_decoding_*` keys."""
         def pick(v, default):
             return default if v is None else v
 
-        return cls(pick(spec.num_speculative_tokens, DEFAULT_K),
+        return cls(pick(k, DEFAULT_K),
                    pick(spec.suffix_decoding_max_tree_depth, DEFAULT_DEPTH),
                    pick(spec.suffix_decoding_max_cached_requests, DEFAULT_CACHED),
                    pick(spec.suffix_decoding_max_spec_factor, DEFAULT_FACTOR),
@@ -125,7 +130,7 @@ class SuffixDrafter(Drafter):
                 best = speculate(self._global, self._global.matches(context), *args, best=best)
         if best is None:
             return DraftTree([root], [-1])
-        return DraftTree([root, *best.tokens], [-1, *best.parents])
+        return DraftTree([root, *best.tokens], [-1, *best.parents], score=best.score)
 
     # -- across requests -------------------------------------------------------------------------------------
     def on_finished(self, ctx: DraftContext) -> None:

@@ -1,0 +1,116 @@
+"""Suffix decoding in front of a model drafter (`"suffix_decoding": true` beside any method; the hybrid of
+SuffixDecoding's paper and Arctic Inference, where suffix decoding backs a model speculator).
+
+The two drafters are good at different text: suffix decoding wins where the answer repeats its context
+(extraction, translation, RAG, summarisation: long exact matches, deep cheap drafts), a trained drafter where it
+does not (code, maths, reasoning). Each step a row first drafts from its suffix tries, which costs microseconds;
+where that tree's score (its expected accepted tokens under the tries' counts, `DraftTree.score`) reaches
+`suffix_decoding_min_score`, that tree is verified, and elsewhere the model drafter drafts as it would alone.
+Both keep their per-row state every step: the model drafter sees every verified step (its catch-up feeds it the
+positions a suffix tree won), the suffix tries see every token. Verification is unchanged, so the output stays
+the target's own.
+
+To the depth policy the pair is the model drafter: its depth and tree size. The suffix side drafts up to its
+own `num_speculative_tokens` (8 unless a `suffix_decoding_*` key says otherwise) when the policy asks for the
+model drafter's full depth, proportionally fewer when it asks for less, and never past the row's token budget.
+Its tree has at most as many nodes as its depth, so for a tree drafter it is never the costlier pass to verify.
+
+Default threshold: the model drafter's measured accepted tokens per step (its checkpoint's τ − 1), else 1.0:
+a suffix tree is taken when it promises at least what the model drafter delivers on average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..base import DraftContext, Drafter, float_key
+from .drafter import SuffixDrafter
+
+KEYS = {"suffix_decoding_min_score": float_key(0, 256)}  # beside the suffix kind's own suffix_decoding_* keys
+
+
+class HybridState:
+    __slots__ = ("inner", "suffix")
+
+    def __init__(self, inner, suffix):
+        self.inner, self.suffix = inner, suffix
+
+
+class SuffixFirst(Drafter):
+    """`suffix` drafts first; rows whose suffix tree scores below `min_score` are drafted by `inner`."""
+
+    def __init__(self, inner: Drafter, suffix: SuffixDrafter, min_score: float | None = None,
+                 prior_tau: float | None = None):
+        self.inner, self.suffix = inner, suffix
+        self.method = f"{inner.method}+suffix"
+        self.needs_hidden = inner.needs_hidden
+        self.num_nodes = inner.num_nodes
+        self.prior_tau = getattr(inner, "prior_tau", None) or prior_tau
+        if min_score is None:
+            min_score = self.prior_tau - 1.0 if self.prior_tau and self.prior_tau > 1.0 else 1.0
+        self.min_score = float(min_score)
+        self.suffix_steps = 0  # rows x steps verified with the suffix tree / with the model drafter's
+        self.inner_steps = 0
+
+    @classmethod
+    def wrap(cls, inner: Drafter, spec, target_config=None) -> "SuffixFirst":
+        from ...serving.load_aware import drafter_prior_tau
+
+        prior = drafter_prior_tau(inner, spec, target_config)
+        return cls(inner, SuffixDrafter.from_keys(spec, None), spec.suffix_decoding_min_score, prior)
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.inner.num_speculative_tokens
+
+    def memory(self) -> dict:
+        return self.inner.memory()  # the tries live in host memory, outside the KV plan (see suffix/drafter.py)
+
+    def new_state(self) -> HybridState:
+        return HybridState(self.inner.new_state(), self.suffix.new_state())
+
+    # each inner drafter sees a context holding its own part of the state; what it leaves there is kept
+    def _views(self, ctxs, part: str, **changes) -> list[DraftContext]:
+        return [dataclasses.replace(c, state=getattr(c.state, part), **changes) for c in ctxs]
+
+    @staticmethod
+    def _keep(ctxs, views, part: str) -> None:
+        for c, v in zip(ctxs, views):
+            setattr(c.state, part, v.state)
+
+    def prefill(self, ctx: DraftContext, target_out) -> None:
+        (view,) = self._views([ctx], "inner")
+        self.inner.prefill(view, target_out)
+        self._keep([ctx], [view], "inner")
+
+    def _suffix_depth(self, ctx: DraftContext) -> int:
+        full = self.inner.num_speculative_tokens
+        k = self.suffix.k if ctx.k >= full else math.ceil(self.suffix.k * ctx.k / full)
+        return min(k, max(ctx.budget, ctx.k))
+
+    def propose(self, ctxs):
+        views = [dataclasses.replace(c, state=c.state.suffix, k=self._suffix_depth(c), max_nodes=None)
+                 for c in ctxs]
+        trees = [self.suffix.propose_one(v) for v in views]
+        self._keep(ctxs, views, "suffix")
+        rest = [i for i, t in enumerate(trees) if len(t) == 1 or (t.score or 0.0) < self.min_score]
+        self.suffix_steps += len(ctxs) - len(rest)
+        self.inner_steps += len(rest)
+        if rest:
+            sub = [ctxs[i] for i in rest]
+            views = self._views(sub, "inner")
+            for i, tree in zip(rest, self.inner.propose(views)):
+                trees[i] = tree
+            self._keep(sub, views, "inner")
+        return trees
+
+    def on_verified(self, ctxs, results, target_out) -> None:
+        views = self._views(ctxs, "inner")
+        self.inner.on_verified(views, results, target_out)
+        self._keep(ctxs, views, "inner")
+
+    def on_finished(self, ctx: DraftContext) -> None:
+        for part, drafter in (("inner", self.inner), ("suffix", self.suffix)):
+            (view,) = self._views([ctx], part)
+            drafter.on_finished(view)
