@@ -191,6 +191,55 @@ def test_depth_from_the_host_curve_for_both_host_kinds():
     assert DepthPolicy("fixed", 6).choose([0.0], [3]) == [3] and DepthPolicy("off", 6).choose([1.0], [6]) == [0]
 
 
+def test_unlucky_first_steps_do_not_stop_a_drafter_that_pays():
+    """A tree drafter whose prior pays on a cheap-verification host: its first two steps accept nothing (alpha
+    0.5 -> 0.2 by the row's own counts). It keeps drafting through its trial steps, at the prior; when its drafts
+    then pay it stays on; and the next request starts drafting too (the running average that the unlucky row
+    pulled down does not stop it). A drafter that keeps failing through the trial is judged by its own counts."""
+    from specloom.step import StepReport
+    from specloom.tree import DraftTree
+
+    class Ctx:
+        k, max_nodes, state = 0, None, None
+
+    class Row:
+        def __init__(self):
+            self.drafting, self.ctx = True, Ctx()
+
+    pol = DepthPolicy("auto", 2, curve(CHEAP), prior_alpha=0.5, nodes_per_depth=5.0, full_nodes=10)
+
+    def run(accepts, steps):
+        row = Row()
+        row.acc = pol.new_acceptance()
+
+        class Stepper:
+            drafter = None
+
+            def step(self, rows):
+                k = rows[0].ctx.k
+                i = len(ks)
+                # the bundled EAGLE-3's shape: 10 drafted nodes, 2 deep (4 at depth 1 when the policy asks for 1)
+                parents = [[-1], [-1, 0, 0, 0, 0], [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3]][k]
+                tree = DraftTree(list(range(1, len(parents) + 1)), parents)
+                # drafting costs 0.125 of a decode step per depth (the bundled EAGLE-3's measured share)
+                return StepReport(1, len(tree), 0.02, 0.0025 * k, [tree], [min(accepts(i), k)])
+
+        ks = []
+        for _ in range(steps):
+            if not row.drafting:
+                break
+            ks.append(pol.run_step(Stepper(), [row], [2])[1][0])
+        return ks, row
+
+    ks, row = run(lambda i: 0 if i < 2 else 2, 30)  # two unlucky steps, then every draft accepted
+    assert all(k > 0 for k in ks) and row.drafting, ks
+    ks, _ = run(lambda i: 2, 5)  # the next request drafts from its first step
+    assert ks[0] > 0, ks
+    ks, row = run(lambda i: 0, 30)  # nothing ever accepted: drafts through the trial, then stops drafting
+    assert all(k > 0 for k in ks[:pol.trial]) and ks[pol.trial:].count(0) >= 8, ks
+    assert not row.drafting
+
+
 def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     """Where no depth pays (verification ~n steps), an n-gram-like drafter is probed at depth 1 after 8 idle
     steps, again at every step while the probe finds no draft (that cost nothing), then after 16; a drafter that

@@ -47,10 +47,12 @@ class Acceptance:
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8):
         self.a, self.r, self.decay = prior * weight, (1 - prior) * weight, decay
+        self.n = 0  # drafted steps observed
 
     def update(self, proposed_depth: int, accepted: int) -> None:
         if proposed_depth <= 0:
             return
+        self.n += 1
         self.a = self.a * self.decay + accepted
         self.r = self.r * self.decay + (1.0 if accepted < proposed_depth else 0.0)
 
@@ -347,6 +349,10 @@ class DepthPolicy:
         self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
         self.t1 = cost.base if cost is not None else None  # seconds of one 1x1 pass (the cost curve's unit)
         self.explore_base, self.explore_max, self.patience = 8, 64, 8
+        # a row's first `trial` drafted steps judge it at no less than the drafter's prior: two unlucky first
+        # steps (alpha 0.5 -> 0.2) would otherwise stop a drafter that pays for the whole request, and a
+        # stopped row never drafts again to correct it (nor, through the running average, the next rows)
+        self.trial = 8
         self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen
         self.last_k = 0
 
@@ -433,12 +439,16 @@ class DepthPolicy:
         self.last_k = max(ks, default=0)
         return ks
 
+    def alpha(self, acc: Acceptance) -> float:
+        """A row's acceptance as the policy judges it: its own, floored at the prior during its trial steps."""
+        return acc.alpha if acc.n >= self.trial else max(acc.alpha, self.prior_alpha)
+
     def run_step(self, stepper, rows: list, caps: list[int] | None = None):
         """One step of `rows` (pool rows 0..n-1) at the depths this policy picks; returns (StepReport, depths)."""
         drafter = stepper.drafter
         if caps is None:
             caps = [r.cap(drafter) for r in rows]
-        ks = self.choose([r.acc.alpha for r in rows], caps)
+        ks = self.choose([self.alpha(r.acc) for r in rows], caps)
         probed = set()
         if self.mode == "load_aware":
             for i, (r, k, c) in enumerate(zip(rows, ks, caps)):
@@ -446,7 +456,7 @@ class DepthPolicy:
                     r.acc.idle, r.acc.period = 0, self.explore_base if k > 0 else r.acc.period
                     continue
                 r.acc.idle += 1
-                if self.pays_alone(r.acc.alpha, c):
+                if self.pays_alone(self.alpha(r.acc), c):
                     continue  # idle because of the load, not the drafter
                 if not self.cheap:
                     if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
