@@ -63,13 +63,37 @@ def test_cached_answer_drafted_by_the_suffix_side_is_all_accepted(drafters):
     assert r.num_accepted_tokens >= 9  # the cached half: drafted 8 deep (not the model drafter's 2) and accepted
 
 
-def test_threshold_defaults_to_the_model_drafters_measured_tau(drafters):
+def test_choice_starts_from_the_measured_tau_and_follows_what_each_side_delivers(drafters):
+    """The threshold starts at the model drafter's measured tau - 1 and follows its accepted tokens; a suffix
+    tree's score is scaled by how many of its claimed tokens earlier suffix trees got accepted."""
+    from specloom.tree import DraftTree
+    from specloom.verify import VerifyResult
+
     t, paths = drafters
     e = hybrid(t, paths["eagle"], "eagle", num_speculative_tokens=2)
-    assert e.drafter.min_score == 1.0  # no measured tau in a test checkpoint
+    assert e.drafter.threshold(e.drafter.new_state().tally) == 1.0  # no measured tau in a test checkpoint
     d = SuffixFirst(e.drafter.inner, e.drafter.suffix, prior_tau=1.8)
-    assert d.min_score == pytest.approx(0.8) and d.num_speculative_tokens == 2
-    assert d.needs_hidden == e.drafter.inner.needs_hidden and d.memory() == e.drafter.inner.memory()
+    assert d.num_speculative_tokens == 2 and d.needs_hidden == e.drafter.inner.needs_hidden
+    assert d.memory() == e.drafter.inner.memory()
+    st = d.new_state()
+    assert d.threshold(st.tally) == pytest.approx(0.8)
+    tree = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], score=3.0)
+    assert d.takes_suffix(tree, st.tally) and not d.takes_suffix(DraftTree([1], [-1]), st.tally)
+
+    from specloom.drafters import DraftContext
+
+    ctx = DraftContext([1], 1, SamplingParams(), None, 0, state=st)
+    for _ in range(6):  # suffix trees claiming 3.0 that get nothing accepted: the claim is discounted
+        st.last = (True, 3.0)
+        d.inner.on_verified = lambda *a: None
+        d.on_verified([ctx], [VerifyResult([0], [7], False)], None)
+    assert st.tally.calibration < 0.8 / 3.0 and not d.takes_suffix(tree, st.tally)
+    for _ in range(6):  # the model's trees now get nothing accepted either: the bar falls with them
+        st.last = (False, 0.0)
+        d.on_verified([ctx], [VerifyResult([0], [7], False)], None)
+    assert st.tally.model_mean < 0.3 and d.takes_suffix(tree, st.tally)
+    fixed = SuffixFirst(e.drafter.inner, e.drafter.suffix, min_score=2.5, prior_tau=1.8)
+    assert fixed.threshold(fixed.new_state().tally) == 2.5
 
 
 def test_sampling_distribution(drafters, sampling_tv):

@@ -15,8 +15,13 @@ own `num_speculative_tokens` (8 unless a `suffix_decoding_*` key says otherwise)
 model drafter's full depth, proportionally fewer when it asks for less, and never past the row's token budget.
 Its tree has at most as many nodes as its depth, so for a tree drafter it is never the costlier pass to verify.
 
-Default threshold: the model drafter's measured accepted tokens per step (its checkpoint's τ − 1), else 1.0:
-a suffix tree is taken when it promises at least what the model drafter delivers on average.
+Which tree: the suffix tree when its *calibrated* score reaches what the model drafter delivers. The tries'
+counts are overconfident on text seen once (one earlier occurrence scores every node 1.0), so each row keeps
+decayed sums of the tokens its suffix trees got accepted and of the scores they claimed, and scales the score by
+their ratio; and it keeps a decayed mean of the tokens the model drafter's trees got accepted. Both start from
+drafter-wide figures (learned over all rows), which start from 1.0 and from the model drafter's measured τ − 1
+(its checkpoint's figure; 1.0 when unknown). `suffix_decoding_min_score` fixes the threshold instead of the
+model drafter's running mean (the calibration still applies).
 """
 
 from __future__ import annotations
@@ -30,11 +35,36 @@ from .drafter import SuffixDrafter
 KEYS = {"suffix_decoding_min_score": float_key(0, 256)}  # beside the suffix kind's own suffix_decoding_* keys
 
 
-class HybridState:
-    __slots__ = ("inner", "suffix")
+class Tally:
+    """Decayed sums: accepted tokens and claimed scores of suffix trees, accepted tokens of model trees."""
 
-    def __init__(self, inner, suffix):
-        self.inner, self.suffix = inner, suffix
+    __slots__ = ("s_acc", "s_score", "m_acc", "m_n")
+
+    def __init__(self, calib: float, model_mean: float, weight: float = 2.0):
+        self.s_acc, self.s_score = calib * weight, weight
+        self.m_acc, self.m_n = model_mean * weight, weight
+
+    @property
+    def calibration(self) -> float:
+        return self.s_acc / self.s_score
+
+    @property
+    def model_mean(self) -> float:
+        return self.m_acc / self.m_n
+
+    def add(self, used_suffix: bool, score: float, accepted: int, decay: float) -> None:
+        if used_suffix:
+            self.s_acc, self.s_score = self.s_acc * decay + accepted, self.s_score * decay + max(score, 1e-3)
+        else:
+            self.m_acc, self.m_n = self.m_acc * decay + accepted, self.m_n * decay + 1.0
+
+
+class HybridState:
+    __slots__ = ("inner", "suffix", "tally", "last")
+
+    def __init__(self, inner, suffix, tally: Tally):
+        self.inner, self.suffix, self.tally = inner, suffix, tally
+        self.last = None  # (used the suffix tree, its score) of the step being verified
 
 
 class SuffixFirst(Drafter):
@@ -47,9 +77,9 @@ class SuffixFirst(Drafter):
         self.needs_hidden = inner.needs_hidden
         self.num_nodes = inner.num_nodes
         self.prior_tau = getattr(inner, "prior_tau", None) or prior_tau
-        if min_score is None:
-            min_score = self.prior_tau - 1.0 if self.prior_tau and self.prior_tau > 1.0 else 1.0
-        self.min_score = float(min_score)
+        self.min_score = None if min_score is None else float(min_score)  # None: the model drafter's running mean
+        model_mean = self.prior_tau - 1.0 if self.prior_tau and self.prior_tau > 1.0 else 1.0
+        self.tally = Tally(1.0, model_mean)  # drafter-wide: where each new row's figures start
         self.suffix_steps = 0  # rows x steps verified with the suffix tree / with the model drafter's
         self.inner_steps = 0
 
@@ -68,7 +98,15 @@ class SuffixFirst(Drafter):
         return self.inner.memory()  # the tries live in host memory, outside the KV plan (see suffix/drafter.py)
 
     def new_state(self) -> HybridState:
-        return HybridState(self.inner.new_state(), self.suffix.new_state())
+        g = self.tally
+        return HybridState(self.inner.new_state(), self.suffix.new_state(), Tally(g.calibration, g.model_mean))
+
+    def threshold(self, tally: Tally) -> float:
+        """The calibrated suffix score a row's suffix tree needs to be verified instead of the model's."""
+        return tally.model_mean if self.min_score is None else self.min_score
+
+    def takes_suffix(self, tree, tally: Tally) -> bool:
+        return len(tree) > 1 and (tree.score or 0.0) * tally.calibration >= self.threshold(tally)
 
     # each inner drafter sees a context holding its own part of the state; what it leaves there is kept
     def _views(self, ctxs, part: str, **changes) -> list[DraftContext]:
@@ -94,7 +132,12 @@ class SuffixFirst(Drafter):
                  for c in ctxs]
         trees = [self.suffix.propose_one(v) for v in views]
         self._keep(ctxs, views, "suffix")
-        rest = [i for i, t in enumerate(trees) if len(t) == 1 or (t.score or 0.0) < self.min_score]
+        rest = []
+        for i, (c, t) in enumerate(zip(ctxs, trees)):
+            use = self.takes_suffix(t, c.state.tally)
+            c.state.last = (use, t.score or 0.0)
+            if not use:
+                rest.append(i)
         self.suffix_steps += len(ctxs) - len(rest)
         self.inner_steps += len(rest)
         if rest:
@@ -106,6 +149,12 @@ class SuffixFirst(Drafter):
         return trees
 
     def on_verified(self, ctxs, results, target_out) -> None:
+        for c, res in zip(ctxs, results):
+            if c.state.last is not None:
+                used, score = c.state.last
+                for t, decay in ((c.state.tally, 0.8), (self.tally, 0.95)):
+                    t.add(used, score, res.num_accepted, decay)
+                c.state.last = None
         views = self._views(ctxs, "inner")
         self.inner.on_verified(views, results, target_out)
         self._keep(ctxs, views, "inner")
