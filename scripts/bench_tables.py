@@ -16,7 +16,7 @@ def main() -> None:
           "identical | max top-2 margin at a divergence |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in c.items():
-        s = {k: v for k, v in r["speculative_config"].items() if k not in ("method", "model")}
+        s = {k: v for k, v in r["speculative_config"].items() if k not in ("method", "model") and v is not False}
         a = " / ".join(f"{x:.2f}" for x in r["acceptance_per_position"][:4])
         m = r.get("max_top2_margin_at_divergence")
         print(f"| {name} | {json.dumps(s) if s else 'checkpoint defaults'} | {r['speedup']:.2f}× | "
