@@ -225,6 +225,30 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--plot", default=None, help="PNG: throughput, latency and speed-up vs concurrency")
     _device(bs)
 
+    sk = sub.add_parser("bench-soak", help="soak and fault test: a real `specloom serve` for N minutes under "
+                                           "greedy load, client disconnects, malformed and poisoned requests")
+    sk.add_argument("model")
+    sk.add_argument("--prompts", required=True, help="JSONL prompts (Spec-Bench style)")
+    sk.add_argument("--speculative-config", default='{"method": "ngram"}', help="JSON, as for serve ('' for none)")
+    sk.add_argument("--speculation", default="fixed", choices=["load_aware", "fixed", "off"],
+                    help="the server's depth policy (default fixed: acceptance independent of load)")
+    sk.add_argument("--minutes", type=float, default=10.0)
+    sk.add_argument("--concurrency", type=_positive_int, default=16)
+    sk.add_argument("--num-prompts", type=_positive_int, default=32, help="distinct prompts (each sent alone first)")
+    sk.add_argument("--max-tokens", type=_positive_int, default=64)
+    sk.add_argument("--dtype", default="fp32", choices=["bf16", "fp32"],
+                    help="fp32 (default): a batched greedy answer equals its alone answer exactly")
+    sk.add_argument("--max-model-len", type=_positive_int, default=1024)
+    sk.add_argument("--disconnect-fraction", type=float, default=0.12)
+    sk.add_argument("--malformed-fraction", type=float, default=0.05)
+    sk.add_argument("--poisoned-fraction", type=float, default=0.03)
+    sk.add_argument("--warmup-fraction", type=float, default=0.2,
+                    help="the first part of the soak that RSS flatness does not cover")
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--json", default=None, help="write the summary here")
+    sk.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
+    _device(sk)
+
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
@@ -449,6 +473,19 @@ def _bench_serve(args) -> int:
     return 0
 
 
+def _bench_soak(args) -> int:
+    from .bench.soak import run_soak
+
+    if not 0 < args.minutes < float("inf"):
+        raise SpecloomError(f"--minutes must be a positive number, got {args.minutes}")
+    s = run_soak(args.model, args.prompts, args.speculative_config or None, args.minutes, args.concurrency,
+                 args.num_prompts, args.max_tokens, args.dtype, args.max_model_len, args.speculation,
+                 args.disconnect_fraction, args.malformed_fraction, args.poisoned_fraction, args.warmup_fraction,
+                 args.seed, args.json, args.server_log, args.device,
+                 command=" ".join(["specloom", *sys.argv[1:]]))
+    return 0 if s["passed"] else 1
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -472,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
             from .loading import parse_device
 
             args.device = str(parse_device(args.device))
-        return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve, "data": _data, "train": _train,
+        return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
+                "bench-soak": _bench_soak, "data": _data, "train": _train,
                 "serve": _serve}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
