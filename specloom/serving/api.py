@@ -547,7 +547,7 @@ def build_app(target):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from .lifecycle import Lifecycle
-    from .request_body import parse_json, read_body
+    from .request_body import closes_connection, parse_json, read_body
     from .schemas import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components
 
     life = target if isinstance(target, Lifecycle) else Lifecycle(target)
@@ -556,7 +556,8 @@ def build_app(target):
     def error(e: APIError):
         if life.server is not None:
             life.server.metrics.error(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status,
+                            headers={"Connection": "close"} if closes_connection(e) else None)
 
     def denied(request: Request, generation: bool = False):
         """The 503 while starting (or, for generation, draining), else the 401 when an API key is set and the

@@ -17,19 +17,34 @@ _DROP = bytes(b for b in range(256) if b not in _KEEP)
 
 
 async def read_body(request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
-    """The raw body, refused with 413 once it passes `max_bytes` (by Content-Length or while reading)."""
+    """The raw body, refused with 413 once it passes `max_bytes`: by Content-Length before anything is read, or --
+    a chunked upload has none -- as soon as the chunks read so far pass it (at most `max_bytes` plus one chunk is
+    ever held). The 413 closes the connection (`closes_connection`), so the rest of an oversized upload is never
+    read. A client that hangs up mid-body is a 499, not a server error."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body is {int(declared)} bytes, more than the limit of {max_bytes}",
                        None, "request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"the request body is more than the limit of {max_bytes} bytes", None,
-                           "request_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(413, f"the request body is more than the limit of {max_bytes} bytes", None,
+                               "request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(499, "the client closed the connection before the request body ended", None,
+                       "client_closed") from None
     return b"".join(chunks)
+
+
+def closes_connection(e: APIError) -> bool:
+    """Whether the response to `e` must close the connection: after a 413 the unread rest of the body would
+    otherwise be read (and thrown away) to keep the connection alive -- all of an endless chunked upload."""
+    return e.status == 413
 
 
 def too_deep(raw: bytes, max_depth: int) -> bool:
