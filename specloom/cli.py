@@ -41,11 +41,21 @@ def _device(p: argparse.ArgumentParser) -> None:
                    help="where the target and its drafter run (default: cuda when PyTorch sees a GPU, else cpu)")
 
 
+KV_CACHE_DTYPES = "auto,fp32,bf16,fp16,fp8_e4m3,fp8_e5m2,int8"  # kv_quant.CHOICES (checked in main())
+
+
+def _kv_cache_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default="auto", metavar=f"{{{KV_CACHE_DTYPES}}}",
+                   help="the target's KV cache type (vLLM's name; --kv-dtype is an alias). auto: fp32 on CPU (faster "
+                        "there for attention over few queries), the model's dtype elsewhere; fp8_e4m3, fp8_e5m2 and "
+                        "int8 store codes with one fp32 scale per token and head. The drafter's own KV: "
+                        "\"kv_cache_dtype\" in --speculative-config")
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="alias (smollm2-135m, gemma3-270m), a .gguf file or a HF model directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights and KV dtype (default bf16)")
-    p.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"],
-                   help="KV cache dtype (auto: fp32 on CPU, faster there for attention over few queries)")
+    _kv_cache_dtype(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
@@ -191,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "what the weights leave (default: room for --max-num-seqs sequences)")
     sv.add_argument("--max-model-len", type=_positive_int, default=2048,
                     help="longest prompt + completion per sequence (sizes each KV pool row)")
-    sv.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    _kv_cache_dtype(sv)
     sv.add_argument("--speculation", default=None, choices=["load_aware", "fixed", "off"],
                     help="depth per step: from load and acceptance (default with a drafter), always "
                          "num_speculative_tokens, or never")
@@ -221,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--requests-per-level", type=_positive_int, default=8, help="at least; 2 x concurrency if more")
     bs.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     bs.add_argument("--max-model-len", type=_positive_int, default=1024)
+    _kv_cache_dtype(bs)
     bs.add_argument("--json", default=None, help="write the report here")
     bs.add_argument("--plot", default=None, help="PNG: throughput, latency and speed-up vs concurrency")
     _device(bs)
@@ -364,7 +375,8 @@ def _bench(args) -> int:
         run_compare(args.model, args.prompts, candidates, limit=args.limit, per_category=args.per_category,
                     categories=args.categories.split(",") if args.categories else None,
                     max_tokens=args.max_tokens, dtype=args.dtype, chat=not args.raw, json_out=args.json_out,
-                    device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
+                    device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel,
+                    kv_dtype=args.kv_dtype)
         return 0
     run_bench(
         args.model, prompts=args.prompts, limit=args.limit, per_category=args.per_category,
@@ -405,7 +417,7 @@ def _serve(args) -> int:
     import uvicorn
 
     from .engine import load
-    from .loading import parse_dtype
+    from .kv_quant import kv_dtype_arg
     from .serving.api import Server, build_app, parse_size
     from .serving.lifecycle import Lifecycle
     from .serving.listen import listen
@@ -443,7 +455,7 @@ def _serve(args) -> int:
     try:
         engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
                       device=args.device)
-        kv_dtype = None if args.kv_dtype == "auto" else parse_dtype(args.kv_dtype)
+        kv_dtype = kv_dtype_arg(args.kv_dtype)
         server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
                         args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False,
                         special_tokens_in_input=args.special_tokens_in_input,
@@ -469,7 +481,7 @@ def _bench_serve(args) -> int:
 
     run_serve_bench(args.model, args.speculative_config, args.concurrency, args.modes, args.prompts,
                     args.max_tokens, args.dtype, args.requests_per_level, args.max_model_len, args.json, args.plot,
-                    device=args.device)
+                    device=args.device, kv_dtype=args.kv_dtype)
     return 0
 
 
@@ -509,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
             from .loading import parse_device
 
             args.device = str(parse_device(args.device))
+        if args.command in ("generate", "bench", "serve", "bench-serve"):  # so is a bad --kv-cache-dtype
+            from .kv_quant import kv_dtype_arg
+
+            kv_dtype_arg(args.kv_dtype)
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
                 "serve": _serve}[args.command](args)

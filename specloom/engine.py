@@ -24,6 +24,7 @@ from .constraint import Constraint
 from .drafters import DRAFTERS, Drafter, create_drafter
 from .errors import SpecloomError
 from .kv import KVCache
+from .kv_quant import kv_dtype_arg
 from .models import DecoderLM, ForwardOutput
 from .results import GenerationResult, StopChecker, acceptance_rates, mean_accepted_length  # noqa: F401
 from .sampling import SamplingParams
@@ -50,7 +51,8 @@ class Engine:
         if mode not in MODES:
             raise SpecloomError(f"speculation must be auto, fixed or off, got {speculation!r}")
         self.model = model
-        self.kv_dtype = kv_dtype  # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv)
+        # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv); a torch dtype or a kv_quant type / name
+        self.kv_dtype = kv_dtype_arg(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
         self.tokenizer = tokenizer
         self.speculative_config = speculative_config
         self.drafter: Drafter | None = (
@@ -199,18 +201,19 @@ def load(
     speculation: str = "auto",
     linear_kernel: str = "auto",
 ) -> Engine:
-    """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` None = automatic
-    (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype elsewhere). `device`:
+    """Load a target (alias, .gguf file or HF directory) and return an `Engine`. `kv_dtype` (`--kv-cache-dtype`)
+    None / "auto" = automatic (fp32 on CPU, where attention over few queries is faster in fp32; the model's dtype
+    elsewhere), else fp32, bf16, fp16, fp8_e4m3, fp8_e5m2 or int8 (kv_quant.py: a scale per token and head). `device`:
     `cpu` (default), `cuda` or `cuda:N`, or None for `cuda` when PyTorch sees a GPU (the CLI's default); the
     drafter is built on the target's device. `speculation`: "auto" (default: depth per step from this host's
     verify-cost curve and the request's acceptance, plain decoding where the drafter cannot pay), "fixed" or
     "off". `linear_kernel`: "auto" (the host's measured, numerics-preserving choice) or a kernel name
     (`models/cpu_packing.py`; `fp32`/`int8` change a bf16 target's numerics and are opt-in only)."""
-    from .loading import load_config, load_target, parse_device, parse_dtype, resolve
+    from .loading import load_config, load_target, parse_device, resolve
 
     dev = parse_device(device)  # a bad device fails before anything loads
     spec = SpeculativeConfig.parse(speculative_config)  # checked before the (slow) model load
-    kv_dt = None if kv_dtype in (None, "auto") else parse_dtype(kv_dtype)
+    kv_dt = kv_dtype_arg(kv_dtype)  # a bad KV type fails before anything loads
     if spec is not None:  # fail fast, before the target's weights load
         DRAFTERS[spec.method].check(spec, load_config(resolve(model))[0])
     if speculation not in ("auto", "load_aware", "fixed", "off"):

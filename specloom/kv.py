@@ -17,6 +17,11 @@ Nothing is ever zeroed: rejected slots are overwritten by the next pass (as in g
 A plain cache is the same object with every row active (`active=None`); `commit()`/`truncate(n)` without a row
 apply to every row of the last pass. Drafters keep their own keys/values in *companion* stores of the target's
 store (`companion(key, make)`): same rows, moved and freed together, so row r of every store is one sequence.
+
+The store's type (kv_quant.py, `--kv-cache-dtype`) is a plain dtype (fp32, bf16, fp16: keys/values stored as they
+are) or a quantized one (fp8_e4m3, fp8_e5m2, int8: codes plus one fp32 scale per token and head, `k_scale` /
+`v_scale` (L, R, H, S), quantized as a pass writes them and dequantised to fp32 where attention reads them:
+`write` returns the rows' keys/values as values, `read` gives them to a drafter that reads a store directly).
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .errors import SpecloomError
+from .kv_quant import SCALE_DTYPE, KVType, kv_type
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of keys and values for one token of one row."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: "torch.dtype | KVType | str") -> int:
+    """Bytes of keys and values for one token of one row at KV type `dtype` (a quantized type's scales included)."""
+    return 2 * num_layers * num_kv_heads * kv_type(dtype).bytes_per_vector(head_dim)
 
 
 def default_kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -46,14 +52,19 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         max_len: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: "torch.dtype | KVType | str" = torch.float32,
         device: torch.device | str = "cpu",
         batch: int = 1,
         active: int | None = None,
     ):
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # zeros: masked slots must never hold NaN
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_type = t = kv_type(dtype)
+        self.k = torch.zeros(shape, dtype=t.storage, device=device)  # zeros: masked slots must never hold NaN
+        self.v = torch.zeros(shape, dtype=t.storage, device=device)
+        self.k_scale = self.v_scale = None  # quantized types: one scale per (layer, row, head, slot)
+        if t.quantized:
+            self.k_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            self.v_scale = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
         self.slot_pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # RoPE position of each slot
         self.rows, self.max_len = batch, max_len
         self.lengths = [0] * batch  # committed slots per row
@@ -64,7 +75,13 @@ class KVCache:
     # -- facts -----------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
-        return self.k.dtype
+        """The stored number type (a quantized type: its codes', e.g. torch.int8 / torch.float8_e4m3fn)."""
+        return self.kv_type.dtype
+
+    @property
+    def read_dtype(self) -> torch.dtype:
+        """The dtype attention reads keys/values in: the stored one, fp32 for a quantized type."""
+        return torch.float32 if self.kv_type.quantized else self.k.dtype
 
     @property
     def device(self) -> torch.device:
@@ -72,7 +89,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        n = self.k.numel() * self.k.element_size() * 2
+        if self.k_scale is not None:
+            n += self.k_scale.numel() * self.k_scale.element_size() * 2
+        return n
 
     @property
     def free_rows(self) -> int:
@@ -111,6 +131,9 @@ class KVCache:
             s.k[:, dst, :, :n] = s.k[:, src, :, :n]
             s.v[:, dst, :, :n] = s.v[:, src, :, :n]
             s.slot_pos[dst, :n] = s.slot_pos[src, :n]
+            if s.k_scale is not None:
+                s.k_scale[:, dst, :, :n] = s.k_scale[:, src, :, :n]
+                s.v_scale[:, dst, :, :n] = s.v_scale[:, src, :, :n]
             s.lengths[dst] = n
 
     def pop(self) -> None:
@@ -188,6 +211,16 @@ class KVCache:
             raise ValueError(f"no pass starting at slot {start}")
         return self._pass.write(layer, k, v)
 
+    def read(self, layer: int, r0: int, n: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [r0, r0 + n)'s keys/values of slots [0, S) at `layer`, (n, H, S, d) in `read_dtype` (a plain
+        type: views of the store; a quantized one: dequantised copies)."""
+        k, v = self.k[layer, r0:r0 + n, :, :S], self.v[layer, r0:r0 + n, :, :S]
+        if self.k_scale is None:
+            return k, v
+        t = self.kv_type
+        return (t.dequantize(k, self.k_scale[layer, r0:r0 + n, :, :S]),
+                t.dequantize(v, self.v_scale[layer, r0:r0 + n, :, :S]))
+
     def commit(self, path: Sequence[int] | torch.Tensor | None = None, *, row: int | None = None) -> None:
         """Keep the pending entries of `row` (None: every row of the pass): all real ones, or those at `path`
         (indices into the row's pending block, in order)."""
@@ -217,6 +250,9 @@ class KVCache:
                     self.k[:, r, :, start:start + n] = self.k[:, r, :, src]
                     self.v[:, r, :, start:start + n] = self.v[:, r, :, src]
                     self.slot_pos[r, start:start + n] = self.slot_pos[r, src]
+                    if self.k_scale is not None:
+                        self.k_scale[:, r, :, start:start + n] = self.k_scale[:, r, :, src]
+                        self.v_scale[:, r, :, start:start + n] = self.v_scale[:, r, :, src]
             self.lengths[r] = start + n
             p.done.add(r)
         if len(p.done) == len(p.rows):
@@ -283,6 +319,8 @@ class KVPass:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (n, H_kv, T, d) -> stored at each row's pending slots; returns the rows' keys/values (n, H, S, d)."""
+        if self.kv.k_scale is not None:
+            return self._write_quantized(layer, k, v)
         kl, vl = self.kv.k[layer], self.kv.v[layer]  # (R, H, S_max, d)
         r0, n = self.rows[0], self.n
         if self.uniform:
@@ -294,6 +332,22 @@ class KVPass:
             kl.view(-1, d).index_copy_(0, idx, k.reshape(-1, d).to(kl.dtype))
             vl.view(-1, d).index_copy_(0, idx, v.reshape(-1, d).to(vl.dtype))
         return kl[r0:r0 + n, :, :self.S], vl[r0:r0 + n, :, :self.S]
+
+    def _write_quantized(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`write` for a quantized store: codes and per-(token, head) scales in, dequantised keys/values out."""
+        kv = self.kv
+        r0, n = self.rows[0], self.n
+        for x, codes, scales in ((k, kv.k[layer], kv.k_scale[layer]), (v, kv.v[layer], kv.v_scale[layer])):
+            c, s = kv.kv_type.quantize(x)  # (n, H, T, d), (n, H, T)
+            if self.uniform:
+                codes[r0:r0 + n].narrow(2, self.start, self.T).copy_(c)
+                scales[r0:r0 + n].narrow(2, self.start, self.T).copy_(s)
+            else:
+                idx = self.flat_index(codes.shape)  # indexes (R * H * S_max) rows: the scales' layout too
+                d = codes.shape[-1]
+                codes.view(-1, d).index_copy_(0, idx, c.reshape(-1, d))
+                scales.view(-1).index_copy_(0, idx, s.reshape(-1))
+        return kv.read(layer, r0, n, self.S)
 
     def flat_index(self, shape) -> torch.Tensor:
         """(n * H * T,) indices into a layer's store viewed as (R * H * S_max, d), in k's (n, H, T) order."""

@@ -1,7 +1,8 @@
 """`--speculative-config`: vLLM's JSON keys, parsed and checked up front.
 
 The common keys (vLLM's names) are checked here: `method`, `model`, `num_speculative_tokens`,
-`disable_by_batch_size`, `draft_tensor_parallel_size` (must be 1 here). Every other key belongs to a drafter kind,
+`disable_by_batch_size`, `draft_tensor_parallel_size` (must be 1 here), `kv_cache_dtype` (the type of the drafter's own
+KV stores, kv_quant.py; only for kinds that keep one: `Drafter.keeps_kv`). Every other key belongs to a drafter kind,
 which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
 `num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`),
 `prompt_lookup_min` / `prompt_lookup_max` (ngram), `suffix_decoding_*` (suffix), `confidence_threshold` (dflash,
@@ -21,7 +22,7 @@ from .errors import SpecloomError
 KNOWN_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
 MAX_SPECULATIVE_TOKENS = 64
 COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size",
-               "suffix_decoding"}
+               "suffix_decoding", "kv_cache_dtype"}
 
 
 def _all_keys() -> set[str]:
@@ -50,6 +51,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float | None = None
     suffix_decoding: bool = False  # suffix decoding in front of the method's drafter (drafters/suffix/hybrid.py)
     suffix_decoding_min_score: float | None = None
+    kv_cache_dtype: str | None = None  # the drafter's own KV type (kv_quant.KV_TYPES name; None: its default)
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -96,6 +98,7 @@ class SpeculativeConfig:
         if hybrid and method == "suffix":
             raise SpecloomError("suffix_decoding puts suffix decoding in front of another method's drafter; "
                                 "with method 'suffix' drop it")
+        kv_type = _kv_cache_dtype(spec.get("kv_cache_dtype"), kind)
         keys = {**kind.keys, **(_suffix_keys() if hybrid else {})}
         own = {}
         for key in sorted(set(spec) - COMMON_KEYS):
@@ -109,4 +112,18 @@ class SpeculativeConfig:
             if spec[key] is not None:
                 own[key] = keys[key](key, spec[key])
         return cls(method=method, model=spec.get("model"), num_speculative_tokens=k, disable_by_batch_size=d,
-                   suffix_decoding=hybrid, **own)
+                   suffix_decoding=hybrid, kv_cache_dtype=kv_type, **own)
+
+
+def _kv_cache_dtype(value, kind: Kind) -> str | None:
+    """The checked `kv_cache_dtype` (its canonical name; None for auto / absent). Only a drafter that keeps keys
+    and values of its own takes one."""
+    from .kv_quant import parse_kv_cache_dtype
+
+    t = parse_kv_cache_dtype(value, "kv_cache_dtype")
+    if t is not None and not getattr(kind.drafter, "keeps_kv", False):
+        own = sorted(k for k, v in KINDS.items() if getattr(v.drafter, "keeps_kv", False))
+        raise SpecloomError(f"speculative method {kind.name!r} keeps no KV cache of its own, so it takes no "
+                            f"kv_cache_dtype (the methods that do: {', '.join(own)}; the target's KV type is "
+                            "--kv-cache-dtype)")
+    return None if t is None else t.name

@@ -185,7 +185,7 @@ def run_bench(
     report = {
         "model": model,
         "dtype": dtype,
-        "kv_dtype": str(engine.model.new_kv(1, engine.kv_dtype).dtype).replace("torch.", ""),
+        "kv_dtype": engine.model.new_kv(1, engine.kv_dtype).kv_type.label,
         "baseline": base.name + (" (fp32)" if baseline == "hf" else f" ({dtype})"),
         "candidate": candidate.name,
         "speculative_config": engine.speculative_config.__dict__ if engine.speculative_config else None,

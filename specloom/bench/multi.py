@@ -60,12 +60,13 @@ def _costs(rows: list[dict]) -> dict:
 def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_category=None, categories=None,
                 max_tokens: int = 128, dtype: str = "bf16", chat: bool = True, json_out: str | None = None,
                 progress: bool = True, device: str | None = "cpu", speculation: str = "auto",
-                linear_kernel: str = "auto") -> dict:
+                linear_kernel: str = "auto", kv_dtype=None) -> dict:
     if not isinstance(candidates, dict) or not candidates:
         raise SpecloomError('--compare needs a JSON object {"name": {speculative config}, ...}')
     specs = {name: SpeculativeConfig.parse(spec) for name, spec in candidates.items()}
     rows = read_prompts(prompts, limit, per_category, categories)
-    plain_engine = load(model, dtype=dtype, progress=progress, device=device, linear_kernel=linear_kernel)
+    plain_engine = load(model, dtype=dtype, progress=progress, device=device, linear_kernel=linear_kernel,
+                        kv_dtype=kv_dtype)
     m, tok = plain_engine.model, plain_engine.tokenizer
     host = print_host(m, file=sys.stderr)
     from ..drafters import DRAFTERS
@@ -73,7 +74,8 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
     engines = {}
     for name, spec in specs.items():
         DRAFTERS[spec.method].check(spec, m.config)
-        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len, speculation=speculation), name)
+        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len, speculation=speculation,
+                                            kv_dtype=plain_engine.kv_dtype), name)
     memory = {name: r.engine.drafter.memory() for name, r in engines.items()}
     base = EngineRunner(plain_engine, "plain")
     use_chat = chat and tok.has_chat_template
@@ -103,7 +105,8 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
                 "top2_margin_at_divergence": divergence_margin(plain_engine, ids, b.tokens, c.tokens)
                 if diverged else None,
             })
-    report = {"model": model, "dtype": dtype, "max_tokens": max_tokens, "chat_template": use_chat,
+    report = {"model": model, "dtype": dtype, "kv_dtype": m.new_kv(1, plain_engine.kv_dtype).kv_type.label,
+              "max_tokens": max_tokens, "chat_template": use_chat,
               "num_prompts": len(rows), "prefill_included": True, "speculation": speculation, "host": host,
               "linear_kernel": kernel_report(m), "candidates": {}}
     for name, rs in per.items():
@@ -127,7 +130,8 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
 
 def print_compare(report: dict, file=sys.stdout) -> None:
     w = file.write
-    w(f"\n{report['model']} {report['dtype']}, {report['num_prompts']} prompts x {report['max_tokens']} tokens, "
+    kv = f", KV {report['kv_dtype']}" if report.get("kv_dtype") else ""
+    w(f"\n{report['model']} {report['dtype']}{kv}, {report['num_prompts']} prompts x {report['max_tokens']} tokens, "
       "greedy, batch 1, interleaved with plain decoding\n")
     w(f"{'drafter':<16} {'speedup':>8} {'aggr':>6} {'tok/s':>7} {'plain':>7} {'tau':>5} {'same':>7}  "
       "draft ms (x step)  MB +KV/1k  acceptance per position\n")

@@ -122,7 +122,7 @@ def _level(live, model, prompts, c, max_tokens):
 def run_serve_bench(model: str, speculative_config, concurrency: list[int], modes: list[str], prompts_path: str,
                     max_tokens: int = 64, dtype: str = "bf16", requests_per_level: int = 8,
                     max_model_len: int = 1024, json_out: str | None = None, plot: str | None = None,
-                    device: str | None = "cpu") -> dict:
+                    device: str | None = "cpu", kv_dtype=None) -> dict:
     from ..engine import load
     from ..serving.api import Server
     from ..serving.load_aware import batch_cost_cached
@@ -130,7 +130,8 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
 
     prompts = [r["text"] for r in read_prompts(prompts_path)]
     random.Random(0).shuffle(prompts)  # every level gets a mix of categories (Spec-Bench files are sorted by one)
-    engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len, device=device)
+    engine = load(model, speculative_config, dtype=dtype, max_model_len=max_model_len, device=device,
+                  kv_dtype=kv_dtype)
     host = print_host(engine.model, file=sys.stdout)
     fits = [p for p in prompts if len(engine.encode(p, chat=True)) + max_tokens <= max_model_len]
     print(f"{len(fits)} of {len(prompts)} prompts fit --max-model-len {max_model_len} with {max_tokens} new tokens",
@@ -144,7 +145,7 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
     print("c(n, T) relative to one decode step: " + ", ".join(
         f"{n}x{t}={cost(n, t):.2f}" for n in cost.rows for t in (1, 3, 5)), flush=True)
     server = Server(engine, model, max_num_seqs=rows, speculation="fixed" if engine.drafter else "off", cost=cost,
-                    max_queue=4 * rows, start=False)
+                    max_queue=4 * rows, kv_dtype=engine.kv_dtype, start=False)
     live = LiveServer(server)
     report: dict = {"model": model, "speculative_config": speculative_config, "dtype": dtype, "max_tokens": max_tokens,
                     "concurrency": concurrency, "modes": modes, "host": host,

@@ -10,9 +10,17 @@ from .base import DRAFTERS, KINDS, DraftContext, Drafter, Kind, register
 from .suffix.hybrid import SuffixFirst
 
 
+def kv_cache_type(spec):
+    """The spec's `kv_cache_dtype` as a kv_quant.KVType (None: the drafter's default)."""
+    from ..kv_quant import parse_kv_cache_dtype
+
+    return parse_kv_cache_dtype(getattr(spec, "kv_cache_dtype", None), "kv_cache_dtype")
+
+
 def create_drafter(spec, target, tokenizer) -> Drafter:
     """The drafter `spec` asks for (its kind's `create`), behind suffix decoding when `suffix_decoding` is set."""
     drafter = DRAFTERS[spec.method].create(spec, target, tokenizer)
+    drafter.kv_cache_dtype = kv_cache_type(spec)  # the type of its own companion KV stores (None: default)
     return SuffixFirst.wrap(drafter, spec, target.config) if spec.suffix_decoding else drafter
 
 

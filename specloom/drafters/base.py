@@ -117,6 +117,9 @@ class Drafter:
     method: str = ""
     needs_hidden: tuple[int, ...] = ()
     num_nodes: int | None = None  # tree drafters: drafted nodes per step (None: a chain of depth nodes)
+    keeps_kv: bool = False  # keeps keys/values of its own in companion stores (takes `kv_cache_dtype`)
+    kv_cache_dtype = None  # the type of those stores (kv_quant.KVType; None: its model's default), set by
+    # drafters/__init__.py create_drafter from the spec's `kv_cache_dtype`
 
     @classmethod
     def check(cls, spec, target_config) -> None:

@@ -75,8 +75,9 @@ class DecoderLM(nn.Module):
     def new_kv(self, max_len: int, dtype: torch.dtype | None = None, batch: int = 1,
                active: int | None = None) -> KVCache:
         """A KV store for this model: `batch` rows of `max_len` slots (`active` 0: a pool whose rows are
-        allocated). Default dtype: fp32 on CPU (attention over a few queries runs ~3x faster in fp32 than in bf16
-        there, and keys/values keep full precision), the model's dtype elsewhere."""
+        allocated). `dtype`: a torch dtype or a KV cache type (kv_quant.py: fp8_e4m3, fp8_e5m2, int8 keep codes
+        and a scale per token and head). Default: fp32 on CPU (attention over a few queries runs ~3x faster in fp32
+        than in bf16 there, and keys/values keep full precision), the model's dtype elsewhere."""
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_len, self.kv_dtype(dtype), self.device, batch,
                        active)

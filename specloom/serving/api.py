@@ -120,10 +120,12 @@ def parse_size(text: str | int | None) -> int | None:
 
 def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) -> dict:
     """How many sequences fit: budget - target weights - drafter weights - activations, divided by one row's
-    target KV (max_model_len + tree slack) plus the drafter's own KV for that row. Without a budget: max_num_seqs
-    rows. Raises SpecloomError when not even one sequence fits."""
+    target KV (max_model_len + tree slack) plus the drafter's own KV for that row, each at its own KV type
+    (`kv_dtype` for the target, the spec's `kv_cache_dtype` for the drafter; a quantized type's scales counted).
+    Without a budget: max_num_seqs rows. Raises SpecloomError when not even one sequence fits."""
     from ..drafters.base import module_bytes
     from ..kv import kv_bytes_per_token
+    from ..kv_quant import kv_type
     from ..step import TREE_SLACK
 
     model, drafter = engine.model, engine.drafter
@@ -138,7 +140,8 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
     per_row_act = widest * (model.config.vocab_size * 4 * 2 + model.config.hidden_size * 4 * 16)
     plan = {"target_weights": weights, "drafter_weights": dmem["weights"], "target_kv_per_row": target_row,
             "drafter_kv_per_row": drafter_row, "activations_per_row": per_row_act, "row_tokens": row_len,
-            "budget": budget}
+            "budget": budget, "target_kv_dtype": kv_type(model.kv_dtype(kv_dtype)).label,
+            "drafter_kv_dtype": _drafter_kv_label(drafter)}
     if budget is None:
         plan["rows"] = max_num_seqs
     else:
@@ -153,6 +156,15 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
                 "raise the budget or lower --max-model-len")
         plan["rows"] = int(rows)
     return plan
+
+
+def _drafter_kv_label(drafter) -> str | None:
+    """The drafter's own KV type as reports name it (None: no drafter or none of its own)."""
+    inner = getattr(drafter, "inner", drafter)  # suffix decoding in front: the model drafter's
+    if inner is None or not getattr(inner, "keeps_kv", False):
+        return None
+    t = inner.kv_cache_dtype
+    return t.label if t is not None else "default"
 
 
 class Server:
@@ -177,6 +189,8 @@ class Server:
         self.max_body_bytes = max_body_bytes or MAX_BODY_BYTES
         self.created = int(time.time())
         self.metrics = Metrics(model_name)
+        if kv_dtype is None:
+            kv_dtype = engine.kv_dtype  # the engine's --kv-cache-dtype (None: the model's default)
         self.memory = plan_memory(engine, max_num_seqs, parse_size(memory_budget), kv_dtype)
         rows = self.memory["rows"]
         mode = speculation or ("load_aware" if engine.drafter else "off")

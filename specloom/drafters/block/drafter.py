@@ -36,6 +36,8 @@ def _declares_dspark(raw: dict) -> bool:
 
 
 class BlockDrafter(Drafter):
+    keeps_kv = True
+
     def __init__(self, model, k: int, threshold: float):
         self.model = model
         self.k = k
@@ -102,7 +104,8 @@ class BlockDrafter(Drafter):
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self.model.new_kv(1).dtype)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                    self.model.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 
 
     # -- state: per row, target features of committed positions not yet in the drafter KV ---------------------
@@ -110,7 +113,7 @@ class BlockDrafter(Drafter):
         return []
 
     def _store(self, ctx):
-        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, batch=rows))
+        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, batch=rows, dtype=self.kv_cache_dtype))
 
     def _features(self, target_out) -> torch.Tensor:
         return torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)  # (B, T, F)

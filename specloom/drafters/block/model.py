@@ -252,7 +252,7 @@ class BlockDraftModel(nn.Module):
         (rows of the drafter's store; the caller commits)."""
         kv.set_positions(positions)
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
-            kv.write(i, k.to(kv.kv.dtype), v.to(kv.kv.dtype))
+            kv.write(i, k, v)  # the store converts (or quantizes) as it copies
 
     def draft_block(self, kv: KVCache, span, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """One block [anchor, MASK ...] per row of `span` (anchors, positions (n,)) over each row's cached context
@@ -266,7 +266,7 @@ class BlockDraftModel(nn.Module):
         rows = range(span.lo, span.lo + span.n)
         lengths = [kv.lengths[r] for r in rows]
         S = max(lengths)
-        ctx = [(k[span.lo:span.lo + n, :, :S], v[span.lo:span.lo + n, :, :S]) for k, v in zip(kv.k, kv.v)]
+        ctx = [kv.read(i, span.lo, n, S) for i in range(kv.k.shape[0])]  # (a quantized store: dequantised)
         see = None
         if min(lengths) != S:  # ragged rows: each sees its own context only
             see = (torch.arange(S, device=dev)[None] < torch.tensor(lengths, device=dev)[:, None])

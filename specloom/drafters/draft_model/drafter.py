@@ -35,6 +35,8 @@ def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
 
 @register("draft_model", {"tree_width": TREE_KEYS["tree_width"]}, ("specloom.drafters.draft_model.trainer",))
 class DraftModelDrafter(Drafter):
+    keeps_kv = True
+
     def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1):
         if tree_width < 1:
             raise SpecloomError(f"tree_width must be >= 1, got {tree_width}")
@@ -47,7 +49,8 @@ class DraftModelDrafter(Drafter):
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim, self.model.kv_dtype())}
+                "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim,
+                                                    self.model.kv_dtype(self.kv_cache_dtype))}
 
     @classmethod
     def check(cls, spec, target_config) -> None:
@@ -84,7 +87,7 @@ class DraftModelDrafter(Drafter):
         return {"seen": 0}  # sequence tokens whose KV the drafter's store holds
 
     def _store(self, ctx):
-        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, batch=rows))
+        return own_store(ctx, self, lambda rows, n: self.model.new_kv(n, dtype=self.kv_cache_dtype, batch=rows))
 
     def prefill(self, ctx: DraftContext, target_out) -> None:
         self._store(ctx).truncate(0, row=ctx.row)

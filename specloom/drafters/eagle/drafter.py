@@ -69,6 +69,7 @@ class _State:
 
 class EagleDrafter(Drafter):
     eagle3 = False
+    keeps_kv = True
     # Stop expanding a tree once no deeper candidate can enter it (the same trees, fewer passes). It costs one
     # host read per depth: free on the CPU, a stall of the queue on CUDA. None: on the CPU only.
     early_stop: bool | None = None
@@ -114,7 +115,8 @@ class EagleDrafter(Drafter):
 
         c = self.model.config
         return {"weights": module_bytes(self.model),
-                "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim, self.model.new_kv(1).dtype)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim,
+                                                    self.model.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -123,7 +125,7 @@ class EagleDrafter(Drafter):
 
     def _stores(self, ctx) -> list:
         """The drafter's companion stores of the row's target store, one per drafter layer (EAGLE: one)."""
-        return [own_store(ctx, self, lambda rows, n: self.model.new_kv(n, rows))]
+        return [own_store(ctx, self, lambda rows, n: self.model.new_kv(n, rows, dtype=self.kv_cache_dtype))]
 
     def _features(self, target_out) -> torch.Tensor:
         return torch.cat([target_out.hidden[c] for c in self.needs_hidden], dim=-1)  # (B, T, F)

@@ -86,7 +86,8 @@ class MTPDrafter(EagleDrafter):
 
         c = self.mtp.config
         return {"weights": module_bytes(self.mtp),
-                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim, self.mtp.new_kv(1).dtype)}
+                "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim,
+                                                    self.mtp.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 
 
     # -- state -----------------------------------------------------------------------------------------------
@@ -94,7 +95,8 @@ class MTPDrafter(EagleDrafter):
         return _MTPState(self.mtp.num_layers)
 
     def _stores(self, ctx) -> list:
-        return [own_store(ctx, (self, i), lambda rows, n: self.mtp.new_kv(n, batch=rows))
+        return [own_store(ctx, (self, i),
+                          lambda rows, n: self.mtp.new_kv(n, batch=rows, dtype=self.kv_cache_dtype))
                 for i in range(self.mtp.num_layers)]
 
     def _reset(self, ctx) -> None:
