@@ -1,4 +1,4 @@
-"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train` and `plot`.
+"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train`, `quantize` and `plot`.
 
 Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
 with status 2; there is no traceback for a user's mistake.
@@ -260,6 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     _device(sk)
 
+    from .quantize.cli import add_parser as add_quantize
+
+    add_quantize(sub)
+
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
@@ -498,6 +502,12 @@ def _bench_soak(args) -> int:
     return 0 if s["passed"] else 1
 
 
+def _quantize(args) -> int:
+    from .quantize.cli import run
+
+    return run(args)
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -527,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_dtype_arg(args.kv_dtype)
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
-                "serve": _serve}[args.command](args)
+                "serve": _serve, "quantize": _quantize}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

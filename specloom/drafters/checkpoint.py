@@ -5,7 +5,9 @@ Each drafter kind registers a format module (`@checkpoint_format("eagle3")`) wit
 
 * `find_drafter_dir(model, method, target_config)`: the user's path, or the drafter bundled with specloom for
   this target (`specloom/bundled/<target>/<method>/`, matched on architecture and shapes).
-* `read_tensors(file)`: safetensors with a readable error for a truncated or corrupt file, naming the tensor.
+* `read_tensors(file)`: safetensors with a readable error for a truncated or corrupt file, naming the tensor;
+  it and `read_prefixed` dequantise the modules a drafter stores quantized (`dequantized`: FP8 / MXFP4 / NVFP4,
+  decided per module as the target loader decides, from the directory's own declarations).
 * The `specloom` block in `config.json` (kind, target fingerprint, feature layer ids, tree defaults, training
   manifest). On load a fingerprint that differs from the target's gives a warning naming what differs; shapes that
   cannot work give an error.
@@ -146,16 +148,28 @@ def check_safetensors(path: str) -> None:
 def read_tensors(path: str) -> dict[str, torch.Tensor]:
     if path.endswith((".pt", ".bin")):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            tensors = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises many error types for corrupt pickles
             raise SpecloomError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e})") from None
+        return dequantized(tensors, os.path.dirname(path) or ".")
     check_safetensors(path)
     from safetensors.torch import load_file
 
     try:
-        return load_file(path)
+        tensors = load_file(path)
     except Exception as e:
         raise SpecloomError(f"{path}: unreadable safetensors file ({e})") from None
+    return dequantized(tensors, os.path.dirname(path) or ".")
+
+
+def dequantized(tensors: dict[str, torch.Tensor], directory: str) -> dict[str, torch.Tensor]:
+    """A drafter's tensors with every module stored in a quantized format (FP8, MXFP4, NVFP4) dequantised to
+    fp32, the format decided per module from its tensors and what the directory's config.json /
+    hf_quant_config.json declare for it (loading/dequant.py); dense tensors pass unchanged."""
+    from ..loading.dequant import dense_tensors
+
+    cfg = os.path.join(directory, "config.json")
+    return dense_tensors(tensors, _load_json(cfg) if os.path.isfile(cfg) else {}, directory)
 
 
 def weights_file(path: str) -> str:
@@ -193,7 +207,7 @@ def read_prefixed(path: str, prefixes: tuple[str, ...]) -> dict[str, torch.Tenso
                         out[k] = f.get_tensor(k)
         except Exception as e:  # safetensors raises its own error types on corrupt files
             raise SpecloomError(f"{fn}: unreadable safetensors file ({e})") from None
-    return out
+    return dequantized(out, path)
 
 
 def add_to_target_checkpoint(target_dir: str, file_name: str, tensors: dict, config_keys: dict, meta_key: str,
