@@ -94,7 +94,10 @@ def checks(s: dict, alone, health_after: int | None, tracebacks: int, exit_code:
 def print_table(s: dict, file=None) -> None:
     k, acc, rss = s["kinds"], s["acceptance"], s["rss_mib"]
     first, last = acc["soak_first_half"], acc["soak_last_half"]
-    bad = {st: n for kind in ("malformed", "poisoned") for st, n in k[kind]["statuses"].items()}
+    bad: dict[str, int] = {}
+    for kind in ("malformed", "poisoned"):
+        for st, n in k[kind]["statuses"].items():
+            bad[st] = bad.get(st, 0) + n
     rows = [
         ("duration, concurrency", f"{s['seconds'] / 60:.1f} min, {s['concurrency']} ({s['prompts']} prompts, "
                                   f"{s['max_tokens']} tokens, {s['dtype']}, {s['speculative_config']})"),
