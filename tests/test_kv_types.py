@@ -238,9 +238,19 @@ def _engine(kinds, kind: str, kv: str, drafter_kv: str | None = None, **kw) -> t
     return Engine(model, tok, SpeculativeConfig.parse(spec), kv_dtype=kv, **kw), (model, tok)
 
 
+_PLAIN: dict = {}
+
+
 def _plain(model, tok, kv: str, prompts=PROMPTS, n=N) -> list[list[int]]:
-    e = Engine(model, tok, kv_dtype=kv)
-    return [e.generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True).token_ids for p in prompts]
+    """Plain greedy decoding at KV type `kv` (computed once per model, type, prompts and length: the 72-case
+    matrix below compares every drafter kind against the same 6 x 2 references)."""
+    key = (id(model), kv, tuple(map(tuple, prompts)), n)
+    if key not in _PLAIN:
+        e = Engine(model, tok, kv_dtype=kv)
+        # the model is kept with its outputs, so that its id is never reused by another model
+        _PLAIN[key] = model, [e.generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True).token_ids
+                              for p in prompts]
+    return _PLAIN[key][1]
 
 
 @pytest.mark.parametrize("kind", KINDS)
