@@ -3,7 +3,9 @@
 A drafter reads the target's hidden states and shares its embedding and head: one trained for another copy of
 the model (other weights, other vocabulary) drafts nonsense that verification then rejects — slow, never wrong.
 The fingerprint names what must match: architecture and shapes, a hash of the vocabulary, and hashes of the
-embedding and LM head (taken in bf16, so an fp32 and a bf16 load of the same checkpoint agree).
+embedding and LM head (taken in bf16, so an fp32 and a bf16 load of the same checkpoint agree). A change that
+leaves these alone (a fine-tune of the inner layers, a re-quantization) is for the behavioural fingerprint
+(behaviour.py: the target's predictions on a fixed probe) to see.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ Each drafter kind registers a format module (`@checkpoint_format("eagle3")`) wit
   it and `read_prefixed` dequantise the modules a drafter stores quantized (`dequantized`: FP8 / MXFP4 / NVFP4,
   decided per module as the target loader decides, from the directory's own declarations).
 * The `specloom` block in `config.json` (kind, target fingerprint, feature layer ids, tree defaults, training
-  manifest). On load a fingerprint that differs from the target's gives a warning naming what differs; shapes that
-  cannot work give an error.
+  manifest, and `target_probe`: the target's behaviour on a fixed probe, behaviour.py). On load a fingerprint
+  that differs from the target's gives a warning naming what differs, the behavioural distance to the recorded
+  probe a log line (and a warning beyond its thresholds); shapes that cannot work give an error.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import warnings
 
 import torch
 
+from ..behaviour import check_behaviour, record_probe
 from ..errors import SpecloomError
 from ..fingerprint import compare, fingerprint
 
@@ -246,15 +248,18 @@ def take(tensors: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     return t
 
 
-def check_target(meta: dict, target, tokenizer, where: str) -> None:
+def check_target(meta: dict, target, tokenizer, where: str) -> dict | None:
     """Warn when the drafter was trained for another copy of the target (it still runs; verification keeps the
-    output exact, only the speed suffers)."""
+    output exact, only the speed suffers): the structural fingerprint first, then, when the checkpoint records
+    one, the behavioural distance on the probe (behaviour.py: a log line, a warning beyond its thresholds).
+    Returns that distance (None without a recording)."""
     diff = compare(meta.get("target_fingerprint"), fingerprint(target, tokenizer))
     if diff:
         msg = (f"{where}: this drafter was trained for another target ({'; '.join(diff)} differ); output stays "
                "exact but acceptance will be low")
         warnings.warn(msg, stacklevel=3)
         log.warning("specloom: warning: %s", msg)
+    return check_behaviour(meta.get("target_probe"), target, where, tokenizer)
 
 
 def load_drafter(path: str, method: str, target, tokenizer):
@@ -272,5 +277,7 @@ def save_drafter(method: str, model, path: str, meta: dict, **kw) -> None:
 
 
 def specloom_meta(kind: str, target, tokenizer, feature_ids, **extra) -> dict:
-    return {"kind": kind, "target_fingerprint": fingerprint(target, tokenizer), "feature_ids": list(feature_ids),
-            **extra}
+    """The `specloom` block of a drafter we write: kind, the target's structural fingerprint and its behaviour
+    on the probe (`target_probe`, behaviour.py), the feature layer ids, and `extra`."""
+    return {"kind": kind, "target_fingerprint": fingerprint(target, tokenizer),
+            "target_probe": record_probe(target, tokenizer), "feature_ids": list(feature_ids), **extra}

@@ -19,8 +19,10 @@
   they cost 4.6 KB per token (5M tokens: ~23 GB, beyond this machine's memory, where the loader holds every shard);
   tokens alone are 5 bytes per token (BENCHMARKS.md, "Self-distillation data").
 * Resumable: shards are written atomically; a rerun skips the jobs already stored. `meta.json` records the target
-  fingerprint and the settings; a rerun with other settings or another target is refused. `progress.json` and
-  `DATACARD.md` (sources, counts, length histogram, dedup rate, the command) are rewritten after every shard.
+  fingerprint, its behaviour on the probe (`target_probe`, behaviour.py; a rerun keeps the first run's and reports
+  its distance to the target now) and the settings; a rerun with other settings or another target is refused.
+  `progress.json` and `DATACARD.md` (sources, counts, length histogram, dedup rate, the command) are rewritten after
+  every shard.
 """
 
 from __future__ import annotations
@@ -393,6 +395,7 @@ def build_dataset(
     command: str | None = None,
     max_minutes: float | None = None,
 ) -> dict:
+    from ..behaviour import check_behaviour, record_probe
     from ..engine import Engine
     from ..fingerprint import fingerprint
     from ..loading import load_target
@@ -440,6 +443,11 @@ def build_dataset(
             raise SpecloomError(f"{out_dir} holds data made with other settings "
                                 f"({', '.join(f'{k}: {old.get(k)} there, {settings[k]} now' for k in diff)}); "
                                 "use a new --out directory or the same settings")
+        if old.get("target_probe"):  # the data there was made with the recorded target: keep its recording
+            meta["target_probe"] = old["target_probe"]
+            check_behaviour(old["target_probe"], model, out_dir, tok, subject="the data there")
+    if "target_probe" not in meta:
+        meta["target_probe"] = record_probe(model, tok)
     write_json(meta_path, meta, indent=1)
     remove_stale(out_dir)  # a killed run's half-written shard, if any
     card = {"target": target, "fingerprint": meta["fingerprint"], "command": command or "specloom data", **settings}

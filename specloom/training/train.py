@@ -98,6 +98,9 @@ def run_training(args) -> dict:
     diff = compare(fp, fingerprint(target, tokenizer))
     if diff:
         raise SpecloomError(f"{' '.join(args.data)} was generated with another target ({'; '.join(diff)} differ)")
+    from ..behaviour import check_behaviour
+
+    check_behaviour(data.meta.get("target_probe"), target, " ".join(args.data), tokenizer, subject="this data")
     train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)", file=sys.stderr, flush=True)
