@@ -9,6 +9,8 @@ drafter pass per depth for the whole batch:
     propose(ctxs) -> list[DraftTree]            root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
     on_verified(ctxs, results, target_out)      target_out: the step's batched pass; row ctx.row is this row's
     on_finished(ctx)                            serving: a request is done (ctx.tokens = prompt + its output)
+    idle_free                                   steps at depth 0 cost nothing: the state catches up lazily
+    free_drafts(ctxs) -> [(tree, expected)|None] drafts costing no drafter pass, for rows left idle (hybrid)
 
 Each `DraftContext` names its row of the target's KV store (`ctx.kv`, `ctx.row`); a drafter keeps its own
 keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows move and free
@@ -139,6 +141,30 @@ class Drafter:
         `kv_per_1k_tokens` (its companion KV per 1000 slots of a row, at the dtype it allocates; a companion row
         is as long as the target's row)."""
         return {"weights": 0, "kv_per_1k_tokens": 0}
+
+    @property
+    def idle_free(self) -> bool:
+        """Whether steps in which a row drafts nothing (depth 0) cost this drafter nothing it cannot make up:
+        its per-row state catches up lazily -- the next `propose` feeds it what it missed (the tokens, or the
+        target features `on_verified` kept), correct after any number of idle steps and for at most one pass
+        over the missed positions. The load-aware policy then keeps a row that cannot pay drafting on and probes
+        it now and then (its text may become predictable) instead of turning it off for the rest of the
+        request. Default: a drafter that reads no target features and keeps no KV of its own (n-gram, suffix);
+        any other kind says so itself (a drafter whose state needs real work every step must not)."""
+        try:
+            kv = self.memory().get("kv_per_1k_tokens", 0)
+        except Exception:
+            kv = 1
+        return not self.needs_hidden and not kv
+
+    def free_drafts(self, ctxs: list[DraftContext]) -> list:
+        """Drafts that cost no drafter pass (a host-side lookup of microseconds, no model), offered for rows the
+        depth policy would leave idle this step: per row (tree, expected accepted drafted tokens), or None. The
+        policy verifies one where its expected tokens pay for the wider pass, running that row at the tree's
+        depth; `propose` must then return this very tree for it (the drafter keeps it in the row's state until
+        the step, `ctx.root_position` naming the step). `ctx.k` is the row's cap, `ctx.budget` its token
+        budget. Default: nothing is free."""
+        return [None] * len(ctxs)
 
     def new_state(self):
         """Fresh per-row state for one sequence."""

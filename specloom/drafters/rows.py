@@ -51,15 +51,26 @@ def own_store(ctx, key, make):
     return ctx.kv.companion(key, make)
 
 
+PAD_FREE = 16  # a pass at most this wide takes any row: a few padding slots cost less than another pass
+
+
 def fitting_groups(ctxs, sizes: list[int], store) -> list[list[int]]:
-    """Indices of `ctxs` in groups whose ragged pass fits the store: a pass pads every row of its span to the
-    widest size, so a long catch-up (a prompt just prefilled) must not share a pass with rows close to their
-    capacity. Usually one group."""
+    """Indices of `ctxs` in groups whose ragged pass fits the store and does not mostly compute padding: a pass
+    pads every row of its span to the widest size, so a long catch-up (a prompt just prefilled, or a row back
+    from many idle steps) must not share a pass with rows close to their capacity, nor with rows of a few
+    positions when it is wider than PAD_FREE and more than twice theirs (16 rows x 64 slots for one row's 64
+    missed positions: its own pass instead). Usually one group. (A group split off for padding is at most
+    TREE_SLACK wide, so where its span holds a row of an earlier group, grown by that group's pass, it still
+    fits: a row's length never passes its sequence's, and the store keeps TREE_SLACK slots beyond that.)"""
+    from ..step import TREE_SLACK
+
     groups: list[list[int]] = []
     for i in sorted(range(len(ctxs)), key=lambda i: -sizes[i]):
         for g in groups:
             rows = [ctxs[j].row for j in g] + [ctxs[i].row]
             T = sizes[g[0]]  # the widest (sizes are taken in decreasing order)
+            if T > PAD_FREE and 2 * sizes[i] < T and sizes[i] <= TREE_SLACK:
+                continue
             if all(store.lengths[r] + T <= store.max_len for r in range(min(rows), max(rows) + 1)):
                 g.append(i)
                 break

@@ -23,6 +23,7 @@ curve is measured per host and linear kernel (`host.py`, `bench/kernel_probe.py`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -35,6 +36,8 @@ ROWS = (1, 2, 4, 8, 16)
 TOKENS = (1, 2, 3, 5, 9, 17)
 MODES = ("off", "fixed", "load_aware")
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
+
+log = logging.getLogger("specloom")
 
 
 def geometric_tokens(alpha: float, k: int) -> float:
@@ -309,9 +312,10 @@ def drafter_prior_tau(drafter, spec=None, target_config=None) -> float | None:
 
 
 def cheap_drafter(drafter) -> bool:
-    """A drafter that reads no target features and keeps no KV of its own (n-gram): idle steps cost it nothing
-    and it catches up from the tokens alone, so it can stay on (and be probed now and then) while not drafting.
-    Any other drafter updates its state every step even at depth 0, so a row where it cannot pay turns it off."""
+    """A drafter that reads no target features and keeps no KV of its own (n-gram, suffix): it catches up from
+    the tokens alone and a probe costs it nothing but the verification, so it stays on (probed now and then)
+    even where no acceptance could pay. Other drafters whose idle steps are free (`Drafter.idle_free`: EAGLE,
+    MTP, Medusa, draft model, DFlash, DSpark) are probed too, but only where some acceptance would pay."""
     try:
         kv = drafter.memory().get("kv_per_1k_tokens", 0)
     except Exception:
@@ -326,13 +330,19 @@ class DepthPolicy:
     `run_step(stepper, rows, caps)` is the whole mechanism: choose a depth per row, size trees to it (a
     shallower EAGLE-2/MTP tree keeps proportionally fewer nodes), run the step, calibrate the cost curve with the
     measured pass, update each row's acceptance and the drafting cost. In "load_aware" mode a row whose drafter
-    cannot pay even alone falls back to plain decoding: a cheap drafter (n-gram) stays on and is probed at depth 1
-    every 8..64 idle steps (the period doubles while probes do not pay), any other drafter is turned off for the
-    row after `patience` idle steps (or at admission, `admit`, when its prior already says it cannot pay)."""
+    cannot pay even alone falls back to plain decoding. A drafter whose idle steps are free (`idle_free`: its state
+    catches up lazily when it next drafts, as every built-in kind's does) stays on and is probed at depth 1 every
+    8..64 idle steps (the period doubles while probes do not pay), so a row whose text becomes predictable drafts
+    again; a cheap one (n-gram, suffix: no features, no KV) always, any other only where some acceptance (alpha
+    1) would pay on this curve -- where none could, probing is waste and it is turned off. A drafter whose state
+    needs per-step work (`idle_free` False) is turned off for the row after `patience` idle steps (or at
+    admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a draft that
+    costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens pay for
+    the wider pass."""
 
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
                  nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,
-                 calibrate: bool = True):
+                 calibrate: bool = True, idle_free: bool | None = None):
         mode = MODE_ALIASES.get(mode, mode)
         if mode not in MODES:
             raise ValueError(f"speculation mode must be one of {MODES} (or auto), got {mode!r}")
@@ -345,6 +355,7 @@ class DepthPolicy:
         self.nodes_per_depth = nodes_per_depth  # tree nodes per unit of depth (1 for chains; EMA over trees)
         self.full_nodes = full_nodes  # the drafter's own tree size at max_k (None: a chain)
         self.cheap = cheap
+        self.idle_free = cheap if idle_free is None else idle_free  # idle steps cost it nothing (probe, not off)
         self.prior_alpha = prior_alpha
         self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
         self.t1 = cost.base if cost is not None else None  # seconds of one 1x1 pass (the cost curve's unit)
@@ -368,8 +379,10 @@ class DepthPolicy:
             return cls("off", 0)
         nodes = drafter.num_nodes
         prior = tau_to_alpha(prior_tau, k) if prior_tau else 0.5
+        cheap = cheap_drafter(drafter)
         return cls(mode, k, cost, prior_alpha=prior, nodes_per_depth=nodes / k if nodes else 1.0,
-                   full_nodes=nodes, cheap=cheap_drafter(drafter), calibrate=calibrate)
+                   full_nodes=nodes, cheap=cheap, calibrate=calibrate,
+                   idle_free=bool(getattr(drafter, "idle_free", cheap)))
 
     def new_acceptance(self) -> Acceptance:
         acc = Acceptance(prior=self.global_alpha.alpha, weight=2.0)
@@ -377,14 +390,21 @@ class DepthPolicy:
         return acc
 
     def admit(self, row, drafter) -> None:
-        """Give a new row its acceptance counters; in load-aware mode turn a (not cheap) drafter off before its
-        prefill when even alone it could not pay at the drafter's prior acceptance (nor at what recent requests
-        saw): e.g. a tree drafter of tau 1.6 on a host where verifying its tree costs 5 decode steps."""
+        """Give a new row its acceptance counters; in load-aware mode turn a drafter that would not be probed
+        (`probes`) off before its prefill when even alone it could not pay at the drafter's prior acceptance (nor
+        at what recent requests saw): e.g. a tree drafter whose tree costs 5 decode steps to verify, where not
+        even perfect drafts would pay. One that would be probed stays on and starts idle."""
         row.acc = self.new_acceptance()
         alpha = max(self.prior_alpha, self.global_alpha.alpha)
-        if (self.mode == "load_aware" and row.drafting and not self.cheap
-                and not self.pays_alone(alpha, row.cap(drafter))):
+        cap = row.cap(drafter)
+        if (self.mode == "load_aware" and row.drafting and not self.probes(cap)
+                and not self.pays_alone(alpha, cap)):
             row.drafting, row.ctx.state = False, None
+
+    def probes(self, cap: int) -> bool:
+        """Whether a row that cannot pay now stays on and is probed (else it is turned off): its drafter's idle
+        steps are free, and it is cheap or some acceptance would pay (a probe could find it)."""
+        return self.idle_free and (self.cheap or self.pays_alone(1.0, cap))
 
     def observe(self, acc: Acceptance, depth: int, nodes: int, accepted: int, draft_seconds: float,
                 step_seconds_1x1: float | None) -> None:
@@ -458,18 +478,19 @@ class DepthPolicy:
                 r.acc.idle += 1
                 if self.pays_alone(self.alpha(r.acc), c):
                     continue  # idle because of the load, not the drafter
-                if not self.cheap:
+                if not self.probes(c):
                     if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
                         r.drafting, r.ctx.state = False, None
-                elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance
-                    ks[i] = 1
+                elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance (the
+                    ks[i] = 1  # drafter first catches up over the idle positions: one pass over them)
                     probed.add(i)
+        free = self._free_drafts(drafter, rows, ks, caps) if self.mode == "load_aware" else set()
         full = self.max_k
-        for r, k in zip(rows, ks):
+        for i, (r, k) in enumerate(zip(rows, ks)):
             r.ctx.k = k
             # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
             shrink = self.mode == "load_aware" and self.full_nodes and 0 < k < full  # not for the budget's own cut
-            r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink else None
+            r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink and i not in free else None
         rep = stepper.step(rows)
         n = len(rows)
         unit = self.t1
@@ -482,8 +503,38 @@ class DepthPolicy:
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
         for i, (r, tree, acc) in enumerate(zip(rows, rep.trees, rep.accepted)):
+            if i in free:  # the row's acceptance only: a free draft says nothing of drafting cost or tree size
+                r.acc.update(tree.max_depth, acc)
+                continue
             self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, unit)
             if i in probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
         return rep, ks
+
+    def _free_drafts(self, drafter, rows: list, ks: list[int], caps: list[int]) -> set[int]:
+        """Rows left idle this step (depth 0, drafting, a cap) whose free draft (`Drafter.free_drafts`: no
+        drafter pass) is worth verifying: offers best first, each taken while the batch's expected tokens per
+        unit of pass time, (tokens + e) / c(n, width), beat those without it by the margin (the width is the
+        widest tree of the step). A taken row runs at its tree's depth; returns their indices."""
+        idle = [i for i, (r, k, c) in enumerate(zip(rows, ks, caps)) if k == 0 and c > 0 and r.drafting]
+        if drafter is None or not idle:
+            return set()
+        for i in idle:
+            rows[i].ctx.k, rows[i].ctx.budget = caps[i], rows[i].budget
+        try:
+            offers = drafter.free_drafts([rows[i].ctx for i in idle])
+        except Exception:  # a free draft is an extra: without one the step runs as chosen
+            log.exception("drafter free_drafts failed: none this step")
+            return set()
+        n = len(rows)
+        tokens = sum(geometric_tokens(self.alpha(r.acc), k) for r, k in zip(rows, ks))
+        width = max(self.nodes(k) if k else 1 for k in ks)
+        taken = set()
+        for i, (tree, e) in sorted(((i, o) for i, o in zip(idle, offers) if o is not None), key=lambda x: -x[1][1]):
+            w = max(width, len(tree))
+            if (tokens + e) / self.cost(n, w) > self.margin * tokens / self.cost(n, width):
+                tokens, width = tokens + e, w
+                ks[i] = max(1, min(tree.max_depth, caps[i]))
+                taken.add(i)
+        return taken

@@ -37,6 +37,9 @@ def _declares_dspark(raw: dict) -> bool:
 
 class BlockDrafter(Drafter):
     keeps_kv = True
+    # Idle steps are free: `on_verified` keeps the committed positions' features, the next `_catch_up` extends
+    # the drafter KV over all of them in one ragged pass.
+    idle_free = True
 
     def __init__(self, model, k: int, threshold: float):
         self.model = model

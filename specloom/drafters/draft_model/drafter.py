@@ -36,6 +36,9 @@ def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
 @register("draft_model", {"tree_width": TREE_KEYS["tree_width"]}, ("specloom.drafters.draft_model.trainer",))
 class DraftModelDrafter(Drafter):
     keeps_kv = True
+    # Idle steps are free: nothing happens at depth 0 (`seen` stays), the next `propose` feeds the draft model
+    # every token it has not seen in one ragged pass.
+    idle_free = True
 
     def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1):
         if tree_width < 1:

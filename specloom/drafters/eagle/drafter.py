@@ -70,6 +70,10 @@ class _State:
 class EagleDrafter(Drafter):
     eagle3 = False
     keeps_kv = True
+    # Idle steps are free: `on_verified` only keeps the target features of the committed positions (a gather),
+    # and the next `_catch_up` feeds all of them to the drafter in one ragged pass (MTP: one per layer), so a
+    # draft after any number of idle steps is the same as after none, for one pass over the missed positions.
+    idle_free = True
     # Stop expanding a tree once no deeper candidate can enter it (the same trees, fewer passes). It costs one
     # host read per depth: free on the CPU, a stall of the queue on CUDA. None: on the CPU only.
     early_stop: bool | None = None

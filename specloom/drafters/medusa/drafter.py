@@ -111,6 +111,10 @@ def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_node
 
 @register("medusa", {"num_draft_tokens": TREE_KEYS["num_draft_tokens"]}, ("specloom.drafters.medusa.trainer",))
 class MedusaDrafter(Drafter):
+    # Idle steps are free: the state is one reference to the target's hidden state at the last accepted node
+    # (set by every `on_verified`); there is nothing to catch up.
+    idle_free = True
+
     def __init__(self, heads: MedusaHeads, choices: list[list[int]], feature_id: int, topk_accuracy=None):
         self.heads = heads
         self.topk_accuracy = topk_accuracy

@@ -16,6 +16,8 @@ DEFAULT_MIN, DEFAULT_MAX = 1, 4
 
 @register("ngram", {"prompt_lookup_min": int_key(1, 64), "prompt_lookup_max": int_key(1, 64)})
 class NgramDrafter(Drafter):
+    idle_free = True  # the history array is grown from the tokens when it next drafts
+
     def __init__(self, k: int = DEFAULT_K, lookup_min: int = DEFAULT_MIN, lookup_max: int = DEFAULT_MAX):
         if not 1 <= lookup_min <= lookup_max:
             raise SpecloomError(

@@ -62,6 +62,8 @@ class SuffixState:
     "suffix_decoding_min_token_prob": float_key(0, 1),
 })
 class SuffixDrafter(Drafter):
+    idle_free = True  # the row's trie takes the tokens added since it last drafted (`_sync`)
+
     def __init__(self, k: int = DEFAULT_K, max_tree_depth: int = DEFAULT_DEPTH,
                  max_cached_requests: int = DEFAULT_CACHED, max_spec_factor: float = DEFAULT_FACTOR,
                  min_token_prob: float = DEFAULT_MIN_PROB):

@@ -22,6 +22,13 @@ their ratio; and it keeps a decayed mean of the tokens the model drafter's trees
 drafter-wide figures (learned over all rows), which start from 1.0 and from the model drafter's measured τ − 1
 (its checkpoint's figure; 1.0 when unknown). `suffix_decoding_min_score` fixes the threshold instead of the
 model drafter's running mean (the calibration still applies).
+
+Where the load-aware policy leaves a row idle (the pair cannot pay at its acceptance, or the batch is busy), the
+model half drafts nothing, but the suffix half still costs nothing to ask: `free_drafts` offers the row's suffix
+tree with its calibrated score, and the policy verifies it where those expected tokens pay for the wider pass
+(its outcome feeds the row's acceptance, so predictable text brings the pair back to drafting). The pair is as
+`idle_free` as its model half (every built-in kind is): the row stays on and the model half is probed now and
+then, catching up over the idle positions when it next drafts.
 """
 
 from __future__ import annotations
@@ -60,11 +67,12 @@ class Tally:
 
 
 class HybridState:
-    __slots__ = ("inner", "suffix", "tally", "last")
+    __slots__ = ("inner", "suffix", "tally", "last", "free")
 
     def __init__(self, inner, suffix, tally: Tally):
         self.inner, self.suffix, self.tally = inner, suffix, tally
         self.last = None  # (used the suffix tree, its score) of the step being verified
+        self.free = None  # (root position, suffix tree) offered by `free_drafts` for this step
 
 
 class SuffixFirst(Drafter):
@@ -93,6 +101,10 @@ class SuffixFirst(Drafter):
     @property
     def num_speculative_tokens(self) -> int:
         return self.inner.num_speculative_tokens
+
+    @property
+    def idle_free(self) -> bool:
+        return self.inner.idle_free  # the suffix tries catch up from the tokens (`SuffixDrafter._sync`)
 
     def memory(self) -> dict:
         return self.inner.memory()  # the tries live in host memory, outside the KV plan (see suffix/drafter.py)
@@ -127,14 +139,43 @@ class SuffixFirst(Drafter):
         k = self.suffix.k if ctx.k >= full else math.ceil(self.suffix.k * ctx.k / full)
         return min(k, max(ctx.budget, ctx.k))
 
-    def propose(self, ctxs):
+    def free_drafts(self, ctxs):
+        """The suffix half costs no drafter pass: for rows whose model half idles, each row's suffix tree (as
+        deep as `propose` would draw it at the row's cap) with its calibrated score as the expected accepted
+        tokens; the depth policy decides whether verifying it pays (`suffix_decoding_min_score`, when set,
+        still bars trees below it). A tree offered is kept for this step's `propose`."""
         views = [dataclasses.replace(c, state=c.state.suffix, k=self._suffix_depth(c), max_nodes=None)
                  for c in ctxs]
         trees = [self.suffix.propose_one(v) for v in views]
         self._keep(ctxs, views, "suffix")
-        rest = []
+        out = []
+        for c, t in zip(ctxs, trees):
+            expected = (t.score or 0.0) * c.state.tally.calibration
+            if len(t) > 1 and expected > 0 and (self.min_score is None or expected >= self.min_score):
+                c.state.free = (c.root_position, t)
+                out.append((t, expected))
+            else:
+                c.state.free = None
+                out.append(None)
+        return out
+
+    def propose(self, ctxs):
+        trees = [None] * len(ctxs)
+        todo = []
+        for i, c in enumerate(ctxs):
+            free, c.state.free = c.state.free, None
+            if free is not None and free[0] == c.root_position:
+                trees[i] = free[1]  # the free suffix tree the depth policy chose to verify
+            else:
+                todo.append(i)
+        views = [dataclasses.replace(ctxs[i], state=ctxs[i].state.suffix, k=self._suffix_depth(ctxs[i]),
+                                     max_nodes=None) for i in todo]
+        for i, t in zip(todo, (self.suffix.propose_one(v) for v in views)):
+            trees[i] = t
+        self._keep([ctxs[i] for i in todo], views, "suffix")
+        fresh, rest = set(todo), []
         for i, (c, t) in enumerate(zip(ctxs, trees)):
-            use = self.takes_suffix(t, c.state.tally)
+            use = i not in fresh or self.takes_suffix(t, c.state.tally)
             c.state.last = (use, t.score or 0.0)
             if not use:
                 rest.append(i)
@@ -150,6 +191,7 @@ class SuffixFirst(Drafter):
 
     def on_verified(self, ctxs, results, target_out) -> None:
         for c, res in zip(ctxs, results):
+            c.state.free = None
             if c.state.last is not None:
                 used, score = c.state.last
                 for t, decay in ((c.state.tally, 0.8), (self.tally, 0.95)):
