@@ -172,7 +172,9 @@ class Server:
                  memory_budget: int | str | None = None, speculation: str | None = None, cost=None,
                  max_queue: int | None = None, kv_dtype=None, start: bool = True,
                  special_tokens_in_input: bool = False, max_body_bytes: int | None = None,
-                 metrics_require_key: bool = False):
+                 metrics_require_key: bool = False, expected_tau: float | None = None):
+        """`expected_tau`: the acceptance monitor's start-up figure (tokens per step of the drafter here, e.g.
+        from `specloom doctor`); None: the drafter manifest's measured tau (serving/monitor.py)."""
         from .batch import BatchScheduler
         from .load_aware import batch_cost_cached
         from .metrics import Metrics
@@ -198,11 +200,16 @@ class Server:
             cost = batch_cost_cached(engine.model, rows, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
                                                                                flush=True))
         self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step,
-                                        start=start)
+                                        start=start, expected_tau=expected_tau)
         self.metrics.bind(self.scheduler)
         self.max_n = rows
         log.info("KV pool: %d sequences of %d tokens (%.0f MiB); speculation: %s", rows, self.memory["row_tokens"],
                  self.scheduler.pool.nbytes / 2 ** 20, self.scheduler.policy.mode)
+        mon = self.scheduler.monitor
+        if engine.drafter is not None and mon.expected_alpha is not None:
+            log.info("acceptance monitor: start-up figure tau %.2f (acceptance %.3f at depth %d, from %s); degraded "
+                     "below %.2f x that over the last %d drafted steps", mon.expected_tau, mon.expected_alpha,
+                     mon.depth, mon.source, mon.fraction, mon.window)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -67,10 +67,12 @@ class Sequence(Request):
 
 class BatchScheduler:
     def __init__(self, engine, rows: int, mode: str = "fixed", cost=None, max_queue: int | None = None,
-                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True):
+                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True,
+                 expected_tau: float | None = None):
         """`start` False: the caller runs `run()` itself -- on CPU, from the main thread: PyTorch's OpenMP
         thread team belongs to the thread that first used it, and steps from another thread ran ~40 % slower
-        here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores)."""
+        here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores). `expected_tau`: the start-up figure the
+        acceptance monitor compares with (e.g. `specloom doctor`'s probe); None: the drafter manifest's."""
         self.engine = engine
         self.model = engine.model
         self.drafter = engine.drafter
@@ -81,6 +83,15 @@ class BatchScheduler:
         spec = engine.speculative_config
         prior = drafter_prior_tau(self.drafter, spec, self.model.config) if self.drafter else None
         self.policy = DepthPolicy.for_drafter(mode, self.drafter, cost, prior)
+        from .monitor import AcceptanceMonitor
+
+        # the live acceptance monitor (serving/monitor.py): rolling acceptance vs the start-up figure
+        self.monitor = AcceptanceMonitor(expected_tau or prior, self.policy.max_k,
+                                         "the start-up check" if expected_tau else "the drafter's manifest")
+        self._prior_alpha = self.policy.prior_alpha  # the policy's prior from the manifest, restored on recovery
+        if self.policy.mode == "load_aware":
+            self.monitor.action = ("Load-aware speculation now judges new requests by the measured acceptance "
+                                   "instead of the start-up figure, so drafting turns down where it does not pay.")
         self.max_queue = 4 * rows if max_queue is None else max_queue
         spec = engine.speculative_config
         self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -294,6 +305,21 @@ class BatchScheduler:
                 self.prefilling.ctx.row = self.prefilling.req.row = len(self.running)
             self.pool.pop()
 
+    def _monitor(self, rep) -> None:
+        """Feed the acceptance monitor; while it says the drafter is degraded, the load-aware policy's prior
+        (the acceptance a request is judged at during its first drafted steps, `DepthPolicy.alpha`, and at
+        admission) is the measured rolling acceptance instead of the manifest's figure: otherwise every new
+        request would draft its trial steps at an acceptance the drafter no longer has. Back to the manifest's
+        once the monitor sees the acceptance recover (idle rows are still probed, so it can)."""
+        m = self.monitor
+        m.observe(rep.trees, rep.accepted)
+        if self.policy.mode != "load_aware":
+            return
+        if m.degraded and m.alpha is not None:
+            self.policy.prior_alpha = min(self._prior_alpha, m.alpha)
+        else:
+            self.policy.prior_alpha = self._prior_alpha
+
     def _step(self) -> None:
         rows = self.running
         n = len(rows)
@@ -301,6 +327,10 @@ class BatchScheduler:
         caps = [0 if off else r.cap(self.drafter) for r in rows]
         rep, ks = self.policy.run_step(self.stepper, rows, caps)  # depths, tree sizes, the step, calibration
         self.steps += 1
+        try:
+            self._monitor(rep)
+        except Exception:  # monitoring must not fail the requests
+            log.exception("acceptance monitor failed")
         if self.on_step is not None:
             try:
                 self.on_step(n, ks)

@@ -4,8 +4,10 @@ Counters: requests (by finish reason), requests aborted by their client, error r
 tokens, accepted tokens per draft position (`position` label); histograms: end-to-end request latency and time to
 first token; gauges from the scheduler: running and waiting requests, KV pool usage (rows and slots), the draft
 depth chosen at the last step; counters of scheduler steps, batch sizes and chosen depths (mean depth per step =
-spec_decode_depth_sum / scheduler_steps_total: how load-aware speculation reacts to load). Plain text exposition
-format 0.0.4, no client library needed.
+spec_decode_depth_sum / scheduler_steps_total: how load-aware speculation reacts to load); with a drafter, the
+live acceptance monitor's gauges (serving/monitor.py): the rolling acceptance rate over the last drafted steps,
+overall and per draft position, its start-up figure, and whether the drafter is judged degraded (0/1). Plain
+text exposition format 0.0.4, no client library needed.
 """
 
 from __future__ import annotations
@@ -123,6 +125,9 @@ class Metrics:
                                 ("kv_cache_rows_used", pool.active), ("kv_cache_rows_total", pool.rows),
                                 ("spec_decode_depth_last_max", max(self.last_depths, default=0))):
                     out += [f"# TYPE specloom:{name} gauge", f"specloom:{name}{{{L}}} {v}"]
+            mon = getattr(sch, "monitor", None) if sch is not None else None
+            if mon is not None and sch.drafter is not None:
+                out += _monitor_lines(mon.snapshot(), L)
             for name, v in (("scheduler_steps_total", self.steps),
                             ("scheduler_batch_size_sum", self.batch_sum),
                             ("spec_decode_depth_sum", round(self.depth_sum, 6))):
@@ -132,3 +137,22 @@ class Metrics:
             out.append("# TYPE specloom:time_to_first_token_seconds histogram")
             out += self.ttft.lines("specloom:time_to_first_token_seconds", L)
         return "\n".join(out) + "\n"
+
+
+def _monitor_lines(snap: dict, L: str) -> list[str]:
+    """The acceptance monitor's gauges: rolling acceptance (NaN before the first drafted step), per position
+    (0-based, as spec_decode_num_accepted_tokens_per_pos), the start-up figure (when known), degraded 0/1."""
+    def num(v):
+        return "NaN" if v is None else round(v, 6)
+
+    out = ["# TYPE specloom:spec_decode_acceptance_rate gauge",
+           f"specloom:spec_decode_acceptance_rate{{{L}}} {num(snap['acceptance_rate'])}",
+           "# TYPE specloom:spec_decode_acceptance_rate_per_pos gauge"]
+    out += [f'specloom:spec_decode_acceptance_rate_per_pos{{{L},position="{i}"}} {num(v)}'
+            for i, v in enumerate(snap["per_position"])]
+    if snap["expected_acceptance_rate"] is not None:
+        out += ["# TYPE specloom:spec_decode_acceptance_rate_expected gauge",
+                f"specloom:spec_decode_acceptance_rate_expected{{{L}}} {num(snap['expected_acceptance_rate'])}"]
+    out += ["# TYPE specloom:spec_decode_degraded gauge",
+            f"specloom:spec_decode_degraded{{{L}}} {int(snap['degraded'])}"]
+    return out
