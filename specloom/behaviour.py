@@ -225,6 +225,19 @@ def _weights_key(model) -> int:
     return hash(tuple((t.data_ptr(), version(t), t.dtype) for t in (*model.parameters(), *model.buffers())))
 
 
+def memoised_distance(model, tokenizer, recorded: dict) -> dict:
+    """`behavioural_distance`, computed once per target and recording in a process (again when the target's
+    weights change): the drafter load's check, `specloom doctor` and the server's start-up check share one pass."""
+    key = (hashlib.sha1(json.dumps(recorded, sort_keys=True).encode()).hexdigest(), _weights_key(model))
+    memo = _MEMO.setdefault(model, {})
+    d = memo.get(key)
+    if d is None:
+        d = behavioural_distance(model, tokenizer, recorded)
+        memo.clear()
+        memo[key] = d
+    return d
+
+
 def check_behaviour(recorded: dict | None, model, where: str, tokenizer=None,
                     subject: str = "this drafter") -> dict | None:
     """On drafter (or dataset) load: the distance to `recorded` as a log line, and a warning beyond the thresholds
@@ -233,17 +246,11 @@ def check_behaviour(recorded: dict | None, model, where: str, tokenizer=None,
     benchmark loading several drafters pays one pass each), again when the target's weights change."""
     if not recorded or os.environ.get("SPECLOOM_BEHAVIOUR_CHECK", "1") == "0":
         return None
-    key = (hashlib.sha1(json.dumps(recorded, sort_keys=True).encode()).hexdigest(), _weights_key(model))
-    memo = _MEMO.setdefault(model, {})
-    d = memo.get(key)
-    if d is None:
-        try:
-            d = behavioural_distance(model, tokenizer, recorded)
-        except ValueError as e:
-            log.info("specloom: %s: behavioural fingerprint not compared (%s)", where, e)
-            return None
-        memo.clear()
-        memo[key] = d
+    try:
+        d = memoised_distance(model, tokenizer, recorded)
+    except ValueError as e:
+        log.info("specloom: %s: behavioural fingerprint not compared (%s)", where, e)
+        return None
     line = (f"{where}: target behaviour vs the recorded target: KL {d['kl_mean']:.4f} nats, top-1 agreement "
             f"{d['top1_agreement']:.1%}, top-k overlap {d['topk_overlap']:.1%} "
             f"({d['positions']} probe positions, {d['seconds']:.2f}s)")

@@ -1,4 +1,5 @@
-"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train`, `quantize` and `plot`.
+"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train`, `quantize`, `doctor`
+and `plot`.
 
 Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
 with status 2; there is no traceback for a user's mistake.
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None,
                     help="requests that may wait for a free sequence slot before new ones get 429 "
                          "(default: 4 x the pool's sequences)")
+    sv.add_argument("--no-doctor", action="store_true",
+                    help="skip the start-up check (`specloom doctor`'s quick part: fingerprints, a short acceptance "
+                         "probe, predicted speed-up and verdict in the log)")
     sv.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
     sv.add_argument("--metrics-require-key", action="store_true",
                     help="require the --api-key on /metrics too (default: /metrics is open, as vLLM's)")
@@ -260,6 +264,17 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
     _device(sk)
 
+    dr = sub.add_parser("doctor", help="before serving: is the drafter this target's, how much does it accept, "
+                        "does it pay on this machine (verdict; exit 0 when it pays, 1 otherwise)")
+    dr.add_argument("model", help="the target: alias, a .gguf file or a HF model directory")
+    dr.add_argument("--speculative-config", required=True, metavar="JSON", help="the drafter, as for generate")
+    dr.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    _kv_cache_dtype(dr)
+    dr.add_argument("--prompts", default=None, metavar="FILE",
+                    help="JSONL prompts for the acceptance probe (default: a few short packaged ones)")
+    dr.add_argument("--max-tokens", type=_positive_int, default=48, help="tokens per probe prompt (default 48)")
+    dr.add_argument("--json", default=None, metavar="OUT", help="also write the report as JSON")
+    _device(dr)
     from .quantize.cli import add_parser as add_quantize
 
     add_quantize(sub)
@@ -415,6 +430,18 @@ def _train(args) -> int:
     return 0
 
 
+def _startup_doctor(engine) -> float | None:
+    """`specloom doctor`'s quick part before serving (two short prompts, no plain run): its findings and verdict
+    in the log; its tau becomes the live acceptance monitor's start-up figure, except for a mismatched drafter
+    (the monitor then compares with the manifest's figure, and says that it runs degraded)."""
+    from .doctor import run_doctor
+
+    report = run_doctor(engine, quick=True)
+    for line in report.lines():
+        print(f"specloom: doctor: {line}", file=sys.stderr, flush=True)
+    return report.tau if report.verdict != "mismatch" else None
+
+
 def _serve(args) -> int:
     import signal
 
@@ -460,10 +487,11 @@ def _serve(args) -> int:
         engine = load(args.model, args.speculative_config, dtype=args.dtype, max_model_len=args.max_model_len,
                       device=args.device)
         kv_dtype = kv_dtype_arg(args.kv_dtype)
+        expected_tau = _startup_doctor(engine) if engine.drafter is not None and not args.no_doctor else None
         server = Server(engine, args.served_model_name or args.model, args.api_key, args.max_num_seqs, budget,
                         args.speculation, max_queue=args.max_queue, kv_dtype=kv_dtype, start=False,
                         special_tokens_in_input=args.special_tokens_in_input,
-                        metrics_require_key=args.metrics_require_key)
+                        metrics_require_key=args.metrics_require_key, expected_tau=expected_tau)
         life.ready(server)
         m = server.memory
         mib = 2 ** 20
@@ -508,6 +536,23 @@ def _quantize(args) -> int:
     return run(args)
 
 
+def _doctor(args) -> int:
+    from .doctor import read_doctor_prompts, run_doctor
+    from .engine import load
+
+    prompts = read_doctor_prompts(args.prompts)  # a bad file fails before the model loads
+    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
+                  device=args.device, speculation="fixed")
+    report = run_doctor(engine, prompts, args.max_tokens)
+    for line in report.lines():
+        print(line)
+    if args.json:
+        from .atomic import write_json
+
+        write_json(args.json, report.to_json(), indent=1)
+    return 0 if report.verdict == "pays" else 1
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -531,13 +576,13 @@ def main(argv: list[str] | None = None) -> int:
             from .loading import parse_device
 
             args.device = str(parse_device(args.device))
-        if args.command in ("generate", "bench", "serve", "bench-serve"):  # so is a bad --kv-cache-dtype
+        if args.command in ("generate", "bench", "serve", "bench-serve", "doctor"):  # so is a bad --kv-cache-dtype
             from .kv_quant import kv_dtype_arg
 
             kv_dtype_arg(args.kv_dtype)
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
-                "serve": _serve, "quantize": _quantize}[args.command](args)
+                "serve": _serve, "quantize": _quantize, "doctor": _doctor}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

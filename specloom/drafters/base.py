@@ -122,6 +122,9 @@ class Drafter:
     keeps_kv: bool = False  # keeps keys/values of its own in companion stores (takes `kv_cache_dtype`)
     kv_cache_dtype = None  # the type of those stores (kv_quant.KVType; None: its model's default), set by
     # drafters/__init__.py create_drafter from the spec's `kv_cache_dtype`
+    # the checkpoint it was read from, {"path": dir, "meta": its specloom block (target fingerprint, probe
+    # recording, manifest, measured figures)}; None for kinds without one (n-gram, suffix, draft model)
+    checkpoint: dict | None = None
 
     @classmethod
     def check(cls, spec, target_config) -> None:

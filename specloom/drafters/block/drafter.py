@@ -96,7 +96,9 @@ class BlockDrafter(Drafter):
         k, th = cls._settings(spec, cfg, meta, path)
         model = build_block(path, raw, target, cls.method)
         check_target(meta, target, tokenizer, path)
-        return cls(model, k, th)
+        d = cls(model, k, th)
+        d.checkpoint = {"path": path, "meta": meta}
+        return d
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -108,7 +108,9 @@ class EagleDrafter(Drafter):
             nodes = depth
         elif nodes is None:
             nodes = d_nodes or depth * width
-        return cls(model, depth, width, nodes)
+        d = cls(model, depth, width, nodes)
+        d.checkpoint = {"path": path, "meta": meta}
+        return d
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -155,7 +155,9 @@ class MedusaDrafter(Drafter):
             heads.num_heads, meta.get("topk_accuracy"), spec.num_draft_tokens or meta.get("num_draft_tokens") or 16)
         if spec.num_speculative_tokens:
             choices = [c for c in choices if len(c) <= spec.num_speculative_tokens]
-        return cls(heads, choices, target.config.num_layers, meta.get("topk_accuracy"))
+        d = cls(heads, choices, target.config.num_layers, meta.get("topk_accuracy"))
+        d.checkpoint = {"path": path, "meta": meta}
+        return d
 
     @property
     def num_speculative_tokens(self) -> int:

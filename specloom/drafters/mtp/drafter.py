@@ -79,7 +79,9 @@ class MTPDrafter(EagleDrafter):
         nodes = spec.num_draft_tokens or (meta.get("num_draft_tokens") if width > 1 else None)
         if width == 1:
             nodes = depth
-        return cls(mtp, depth, width, nodes or depth * width)
+        d = cls(mtp, depth, width, nodes or depth * width)
+        d.checkpoint = {"path": path, "meta": meta}
+        return d
 
     def memory(self) -> dict:
         from ..base import kv_bytes_per_1k, module_bytes

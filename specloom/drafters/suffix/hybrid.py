@@ -84,6 +84,7 @@ class SuffixFirst(Drafter):
         self.method = f"{inner.method}+suffix"
         self.needs_hidden = inner.needs_hidden
         self.num_nodes = inner.num_nodes
+        self.checkpoint = inner.checkpoint
         self.prior_tau = getattr(inner, "prior_tau", None) or prior_tau
         self.min_score = None if min_score is None else float(min_score)  # None: the model drafter's running mean
         model_mean = self.prior_tau - 1.0 if self.prior_tau and self.prior_tau > 1.0 else 1.0
