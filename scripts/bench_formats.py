@@ -31,7 +31,7 @@ import warnings
 import torch
 
 from specloom.behaviour import behavioural_distance
-from specloom.bench.harness import read_prompts
+from specloom.bench.harness import add_per_position, read_prompts
 from specloom.drafters.base import module_bytes
 from specloom.engine import Engine
 from specloom.fingerprint import compare, fingerprint
@@ -78,12 +78,8 @@ def decode_runs(engine: Engine, ids: list[list[int]], max_tokens: int) -> dict:
         tokens += len(r.token_ids) - 1  # the prefill's token is not a decode step's
         passes += r.num_target_passes - 1  # tau as everywhere: the prefill pass and its token excluded
         seconds += r.total_seconds - r.prefill_seconds
-        for i, (a, q) in enumerate(zip(r.accepted_per_position, r.proposed_per_position)):
-            if i >= len(acc):
-                acc.append(0)
-                prop.append(0)
-            acc[i] += a
-            prop[i] += q
+        add_per_position(acc, r.accepted_per_position)
+        add_per_position(prop, r.proposed_per_position)
     return {"tokens": tokens, "tau": tokens / max(passes, 1), "tokens_per_s": tokens / seconds,
             "acceptance_per_position": [round(a / q, 3) if q else 0.0 for a, q in zip(acc, prop)], "outputs": outs}
 

@@ -113,6 +113,7 @@ def checkpoint_findings(engine) -> tuple[str | None, list[str], dict | None, flo
 def acceptance_probe(engine, prompts: list[str], max_tokens: int, measure_plain: bool) -> dict:
     """(b): the drafter at its own depth on `prompts` (the chat template where the model has one; greedy); plain
     decoding interleaved."""
+    from .bench.harness import add_per_position
     from .engine import Engine
 
     spec = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype,
@@ -135,11 +136,8 @@ def acceptance_probe(engine, prompts: list[str], max_tokens: int, measure_plain:
         spec_s += r.total_seconds - r.prefill_seconds
         draft_s += r.draft_seconds
         drafted += (r.speculation or {}).get("drafted_steps", 0)
-        for i, (a, q) in enumerate(zip(r.accepted_per_position, r.proposed_per_position)):
-            acc += [0] * (i + 1 - len(acc))
-            prop += [0] * (i + 1 - len(prop))
-            acc[i] += a
-            prop[i] += q
+        add_per_position(acc, r.accepted_per_position)
+        add_per_position(prop, r.proposed_per_position)
         if measure_plain:
             q = plain.generate(prompt_token_ids=p, max_tokens=len(r.token_ids), ignore_eos=True)
             plain_s += (q.total_seconds - q.prefill_seconds) * (len(r.token_ids) - 1) / max(len(q.token_ids) - 1, 1)

@@ -93,7 +93,8 @@ class HFRunner:
         return Run(tokens, seconds, len(tokens))
 
 
-def _add(acc: list[int], xs: list[int] | None) -> None:
+def add_per_position(acc: list[int], xs: list[int] | None) -> None:
+    """acc[i] += xs[i], growing acc as needed (per-position counts summed over requests)."""
     for i, x in enumerate(xs or []):
         if i == len(acc):
             acc.append(0)
@@ -160,8 +161,8 @@ def run_bench(
         tot["c_tok"] += len(c.tokens)
         tot["c_s"] += c.seconds
         tot["c_pass"] += c.passes
-        _add(proposed, c.proposed)
-        _add(accepted, c.accepted)
+        add_per_position(proposed, c.proposed)
+        add_per_position(accepted, c.accepted)
         diverged = b.tokens != c.tokens
         margin = divergence_margin(engine, ids, b.tokens, c.tokens) if diverged and baseline == "plain" else None
         per_prompt.append({

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..engine import Engine, acceptance_rates, load, mean_accepted_length
 from ..errors import SpecloomError
 from ..speculative import SpeculativeConfig
-from .harness import EngineRunner, _add, divergence_margin, kernel_report, print_host, read_prompts
+from .harness import EngineRunner, add_per_position, divergence_margin, kernel_report, print_host, read_prompts
 
 
 def _summary(rows: list[dict], base_key="b", name="") -> dict:
@@ -29,8 +29,8 @@ def _summary(rows: list[dict], base_key="b", name="") -> dict:
     passes = sum(r["passes"] for r in rows)
     proposed, accepted = [], []
     for r in rows:
-        _add(proposed, r["proposed"])
-        _add(accepted, r["accepted"])
+        add_per_position(proposed, r["proposed"])
+        add_per_position(accepted, r["accepted"])
     return {
         "num_prompts": len(rows),
         "speedup": statistics.median(r["speedup"] for r in rows),
