@@ -537,13 +537,20 @@ def _quantize(args) -> int:
 
 
 def _doctor(args) -> int:
-    from .doctor import read_doctor_prompts, run_doctor
+    from .doctor import read_doctor_prompts, refused, run_doctor
     from .engine import load
 
+    from .errors import DrafterMismatch
+    from .speculative import SpeculativeConfig
+
     prompts = read_doctor_prompts(args.prompts)  # a bad file fails before the model loads
-    engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
-                  device=args.device, speculation="fixed")
-    report = run_doctor(engine, prompts, args.max_tokens)
+    try:
+        engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype,
+                      kv_dtype=args.kv_dtype, device=args.device, speculation="fixed")
+        report = run_doctor(engine, prompts, args.max_tokens)
+    except DrafterMismatch as e:  # made for another model: known from its config, before any weights load
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        report = refused(spec.method, spec.model, e)
     for line in report.lines():
         print(line)
     if args.json:

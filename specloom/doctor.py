@@ -191,6 +191,15 @@ def judge(diffs: list[str], behaviour: dict | None, best: float, best_k: int, ma
                             f"plain decoding by {margin - 1:.0%} on this host (best {best:.2f}x){low}")
 
 
+def refused(method: str, checkpoint: str | None, error: Exception) -> DoctorReport:
+    """The report for a drafter refused from its config alone (errors.DrafterMismatch: another architecture, width
+    or vocabulary), before any weights loaded: nothing to probe, the verdict is "mismatch"."""
+    return DoctorReport(
+        verdict="mismatch", reason=f"refused before loading weights: {error}", predicted_speedup=1.0,
+        best_config=None, tau=0.0, tau_expected=None, behavioural_distance=None, differences=[str(error)],
+        drafter=method, checkpoint=checkpoint)
+
+
 def run_doctor(engine, prompts: list[str] | None = None, max_tokens: int = 48, measure_plain: bool = True,
                quick: bool = False, cost=None) -> DoctorReport:
     """The whole check for `engine` (a target with its drafter loaded). `quick`: two prompts of 32 tokens and no

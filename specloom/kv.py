@@ -326,6 +326,10 @@ class KVPass:
         if self.uniform:
             kl[r0:r0 + n].narrow(2, self.start, self.T).copy_(k)
             vl[r0:r0 + n].narrow(2, self.start, self.T).copy_(v)
+            if self.start == 0 and (k.requires_grad or v.requires_grad):
+                # a training pass over whole sequences: the keys/values are exactly these (a view of the store
+                # would be saved for backward and invalidated by the next layer's write into the same store)
+                return k.to(kl.dtype), v.to(vl.dtype)
         else:  # one index_copy_ per tensor into the flattened store (an advanced-index put was ~10x slower)
             idx = self.flat_index(kl.shape)
             d = kl.shape[-1]

@@ -106,3 +106,24 @@ def test_cli_bad_input_one_line(target, capsys, argv, msg):  # noqa: F811
     assert main(["doctor", target.path, *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("specloom: error:") and msg in err and "Traceback" not in err
+
+
+def test_drafter_for_another_vocabulary_is_refused_as_mismatch(target, drafter_dir, tmp_path, capsys):  # noqa: F811
+    """A drafter whose config names another vocabulary: verdict mismatch from its config alone (no weights read:
+    the weights file here is not even valid), JSON written, exit status 1."""
+    import shutil
+
+    bad = tmp_path / "other_vocab"
+    shutil.copytree(drafter_dir, bad)
+    cfg = json.load(open(bad / "config.json"))
+    cfg["vocab_size"] += 8
+    json.dump(cfg, open(bad / "config.json", "w"))
+    for f in bad.glob("*.safetensors"):
+        f.write_bytes(b"not weights")
+    out = tmp_path / "report.json"
+    rc = main(["doctor", target.path, "--speculative-config", json.dumps({"method": "eagle", "model": str(bad)}),
+               "--json", str(out)])
+    report = json.load(open(out))
+    assert rc == 1 and report["verdict"] == "mismatch" and KEYS <= set(report)
+    assert "refused before loading weights" in report["reason"] and "vocabulary" in report["reason"]
+    assert "verdict: mismatch" in capsys.readouterr().out

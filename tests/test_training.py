@@ -221,3 +221,42 @@ def test_eagle3_init_from_another_draft_vocabulary(dataset, capsys):
     for i in both:
         torch.testing.assert_close(mb.lm_head.weight[i].float(), ma.lm_head.weight[ua.index(ub[i])].float(),
                                    atol=1e-3, rtol=1e-2)
+
+
+def test_finetune_target_keeps_embedding_and_head_and_moves_behaviour(dataset, capsys):
+    """`train target --init-from` fine-tunes the existing target on answer tokens: the loss falls, the output is a
+    HF directory specloom loads, the embedding/head (so the structural fingerprint) stay, `--train-layers 1` leaves
+    the other layers alone, and the behavioural distance to the original sees the move."""
+    import specloom
+    from specloom.behaviour import behavioural_distance, record_probe
+    from specloom.fingerprint import compare, fingerprint
+
+    t, data, root = dataset
+    out = str(root / "finetuned")
+    assert main(["train", "target", "--init-from", t.path, "--target", t.path, "--data", data, "--out", out,
+                 "--steps", "30", "--lr", "2e-3", "--tokens-per-batch", "256", "--warmup", "2", "--no-bf16",
+                 "--train-layers", "1", "--eval-fraction", "0.2"]) == 0
+    hist = json.load(open(os.path.join(out, "history.json")))
+    assert sum(h["loss"] for h in hist[-5:]) / 5 < sum(h["loss"] for h in hist[:5]) / 5 - 0.3
+    manifest = json.load(open(os.path.join(out, "config.json")))["specloom"]["manifest"]
+    assert manifest["fine_tuned_from"] == t.path
+    assert manifest["held_out_after"]["loss"] < manifest["held_out_before"]["loss"]
+    e = specloom.load(out, dtype="fp32", progress=False)
+    orig = {k: v for k, v in t.model.state_dict().items()}
+    new = e.model.state_dict()
+    L = t.model.config.num_layers
+    bf16 = lambda x: x.to(torch.bfloat16).float()  # noqa: E731  (the directory stores bf16)
+    for k, v in new.items():
+        same = torch.equal(bf16(orig[k]), v.float())
+        if not k.startswith(f"layers.{L - 1}."):
+            assert same, k  # frozen: the embedding, the head, the final norm and the other layers
+        elif "proj" in k:
+            assert not same, k
+    assert compare(fingerprint(t.model, t.tokenizer), fingerprint(e.model, e.tokenizer)) == []
+    d = behavioural_distance(e.model, e.tokenizer, record_probe(t.model, t.tokenizer))
+    assert d["kl_mean"] > 1e-3
+    # data made with another tokenizer: one clear line
+    bad = str(root / "finetune_bad")
+    rc = main(["train", "target", "--init-from", t.path, "--target", t.path, "--data", str(root / "nope"),
+               "--out", bad, "--steps", "1"])
+    assert rc == 2 and "not a specloom data directory" in capsys.readouterr().err

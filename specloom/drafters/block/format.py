@@ -31,7 +31,7 @@ import torch
 
 from ...config_fields import (bool_field, check_attention_shape, float_field, int_field, layer_ids,
                              str_field, sub_dict)
-from ...errors import SpecloomError
+from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import (add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take,
                           weights_file)
@@ -199,11 +199,11 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
     if cfg.markov_head_type not in MARKOV_TYPES:
         raise SpecloomError(f"{path}: unknown Markov head type {cfg.markov_head_type!r} (known: {MARKOV_TYPES})")
     if cfg.hidden_size != tc.hidden_size or cfg.target_hidden_size != tc.hidden_size:
-        raise SpecloomError(f"{path}: drafter hidden size {cfg.hidden_size} (features {cfg.target_hidden_size}), the "
+        raise DrafterMismatch(f"{path}: drafter hidden size {cfg.hidden_size} (features {cfg.target_hidden_size}), the "
                             f"target's is {tc.hidden_size}: it shares the target's embedding and head, so it was "
                             "made for another model")
     if cfg.vocab_size != tc.vocab_size:
-        raise SpecloomError(f"{path}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made for "
+        raise DrafterMismatch(f"{path}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made for "
                             "another model")
     if not 0 <= cfg.mask_token_id < tc.vocab_size:
         raise SpecloomError(f"{path}: mask token id {cfg.mask_token_id} lies outside the target's vocabulary")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import SpecloomError
+from ...errors import DrafterMismatch, SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
 from ..rows import Span, chains, draw, fitting_groups, own_store
@@ -63,7 +63,7 @@ class DraftModelDrafter(Drafter):
             raise SpecloomError('method "draft_model" needs "model": the draft model (alias, .gguf or directory)')
         draft_vocab = load_config(resolve(spec.model))[0].vocab_size  # the header only, no weights
         if draft_vocab != target_config.vocab_size:
-            raise SpecloomError(
+            raise DrafterMismatch(
                 f"draft model {spec.model!r} has a vocabulary of {draft_vocab} tokens, the target "
                 f"{target_config.vocab_size}: a draft model must use the target's tokenizer"
             )

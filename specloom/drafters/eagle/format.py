@@ -20,7 +20,7 @@ import os
 import torch
 
 from ...config_fields import check_attention_shape, config_dict, float_field, int_field, layer_ids, sub_dict
-from ...errors import SpecloomError
+from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
 from .model import EagleConfig, EagleDraftModel
@@ -85,10 +85,10 @@ def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
         raise SpecloomError(f"{where}: feature layer ids {bad} exceed the target's depth ({L} layers; ids are "
                             f"HF hidden_states indices 0..{L})")
     if cfg.target_hidden_size != tc.hidden_size:
-        raise SpecloomError(f"{where}: drafter reads features of width {cfg.target_hidden_size}, the target's "
+        raise DrafterMismatch(f"{where}: drafter reads features of width {cfg.target_hidden_size}, the target's "
                             f"hidden size is {tc.hidden_size}: it was made for another model")
     if cfg.vocab_size != tc.vocab_size:
-        raise SpecloomError(f"{where}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made "
+        raise DrafterMismatch(f"{where}: drafter vocabulary {cfg.vocab_size}, target {tc.vocab_size}: it was made "
                             "for another model")
     if not eagle3 and cfg.hidden_size != tc.hidden_size:
         raise SpecloomError(f"{where}: EAGLE-1 drafter hidden size {cfg.hidden_size} must equal the target's "

@@ -34,6 +34,10 @@ class TargetTrainer:
 
     @staticmethod
     def run(args) -> dict:
+        if args.init_from:  # fine-tune an existing target instead of training a new one
+            from ...training.finetune import finetune
+
+            return finetune(args)
         from ...config import ModelConfig
         from .model import MTPModel, init_mtp
         from ...loading import load_config, resolve
@@ -165,4 +169,6 @@ def add_arguments(t) -> None:
     t.add_argument("--model-hidden", type=int, default=256, help="target: hidden size of the new model")
     t.add_argument("--model-heads", type=int, default=4, help="target: attention heads")
     t.add_argument("--model-kv-heads", type=int, default=None, help="target: KV heads (default: = heads)")
+    t.add_argument("--train-layers", type=int, default=None,
+                   help="target --init-from: train only the last K decoder layers (default: all of them)")
     t.add_argument("--model-intermediate", type=int, default=None, help="target: MLP width (default 3x hidden)")
