@@ -82,14 +82,19 @@ def run_training(args) -> dict:
         return TRAINERS[args.kind].run(args)
     dev = train_device(args)
     torch.manual_seed(args.seed)
-    target, tokenizer = load_target(args.target, "bf16", pack=False, device=dev)
+    from ..host import mkldnn_bf16
+
+    # the frozen target in bf16, except on a CPU without bf16 matmul kernels (AVX2 only), where a bf16 pass
+    # over n tokens costs about n fp32 passes (BENCHMARKS, issue 12): there fp32 (hidden states are kept in bf16)
+    tdtype = "fp32" if dev.type == "cpu" and not mkldnn_bf16() else "bf16"
+    target, tokenizer = load_target(args.target, tdtype, pack=False, device=dev)
     L = target.config.num_layers
     ids = tuple(sorted({*TRAINERS[args.kind].data_ids(L), L}))
     data = DistillData(args.data, ids, max_tokens=args.max_data_tokens)
     if not data.meta.get("capture") and dev.type == "cpu":
         # hidden states are recomputed per batch: by a second copy of the target in the host's packed inference
         # layout (1.6x faster here than the unpacked copy the trainers read weights from; +1 model in memory)
-        data.attach(load_target(args.target, "bf16", progress=False, device=dev)[0], _cache_bytes(args))
+        data.attach(load_target(args.target, tdtype, progress=False, device=dev)[0], _cache_bytes(args))
     else:
         data.attach(target, _cache_bytes(args))
     fp = data.meta.get("fingerprint", {})
