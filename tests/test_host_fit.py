@@ -191,6 +191,33 @@ def test_depth_from_the_host_curve_for_both_host_kinds():
     assert DepthPolicy("fixed", 6).choose([0.0], [3]) == [3] and DepthPolicy("off", 6).choose([1.0], [6]) == [0]
 
 
+class _Ctx:
+    k, max_nodes, state = 0, None, None
+
+
+class _Row:
+    def __init__(self, pol: DepthPolicy):
+        self.drafting, self.ctx, self.acc = True, _Ctx(), pol.new_acceptance()
+
+
+def _run_policy(pol: DepthPolicy, report, steps: int, max_k: int) -> tuple[list[int], _Row]:
+    """Drive one fake row through `pol.run_step` for up to `steps` steps (until it stops drafting); `report(k, i)`
+    gives the StepReport of step i drafted `k` deep. Returns the depth chosen per step and the row."""
+    row, ks = _Row(pol), []
+
+    class Stepper:
+        drafter = None
+
+        def step(self, rows):
+            return report(rows[0].ctx.k, len(ks))
+
+    for _ in range(steps):
+        if not row.drafting:
+            break
+        ks.append(pol.run_step(Stepper(), [row], [max_k])[1][0])
+    return ks, row
+
+
 def test_unlucky_first_steps_do_not_stop_a_drafter_that_pays():
     """A tree drafter whose prior pays on a cheap-verification host: its first two steps accept nothing (alpha
     0.5 -> 0.2 by the row's own counts). It keeps drafting through its trial steps, at the prior; when its drafts
@@ -199,37 +226,17 @@ def test_unlucky_first_steps_do_not_stop_a_drafter_that_pays():
     from specloom.step import StepReport
     from specloom.tree import DraftTree
 
-    class Ctx:
-        k, max_nodes, state = 0, None, None
-
-    class Row:
-        def __init__(self):
-            self.drafting, self.ctx = True, Ctx()
-
     pol = DepthPolicy("auto", 2, curve(CHEAP), prior_alpha=0.5, nodes_per_depth=5.0, full_nodes=10)
 
     def run(accepts, steps):
-        row = Row()
-        row.acc = pol.new_acceptance()
+        def report(k, i):
+            # the bundled EAGLE-3's shape: 10 drafted nodes, 2 deep (4 at depth 1 when the policy asks for 1)
+            parents = [[-1], [-1, 0, 0, 0, 0], [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3]][k]
+            tree = DraftTree(list(range(1, len(parents) + 1)), parents)
+            # drafting costs 0.125 of a decode step per depth (the bundled EAGLE-3's measured share)
+            return StepReport(1, len(tree), 0.02, 0.0025 * k, [tree], [min(accepts(i), k)])
 
-        class Stepper:
-            drafter = None
-
-            def step(self, rows):
-                k = rows[0].ctx.k
-                i = len(ks)
-                # the bundled EAGLE-3's shape: 10 drafted nodes, 2 deep (4 at depth 1 when the policy asks for 1)
-                parents = [[-1], [-1, 0, 0, 0, 0], [-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3]][k]
-                tree = DraftTree(list(range(1, len(parents) + 1)), parents)
-                # drafting costs 0.125 of a decode step per depth (the bundled EAGLE-3's measured share)
-                return StepReport(1, len(tree), 0.02, 0.0025 * k, [tree], [min(accepts(i), k)])
-
-        ks = []
-        for _ in range(steps):
-            if not row.drafting:
-                break
-            ks.append(pol.run_step(Stepper(), [row], [2])[1][0])
-        return ks, row
+        return _run_policy(pol, report, steps, 2)
 
     ks, row = run(lambda i: 0 if i < 2 else 2, 30)  # two unlucky steps, then every draft accepted
     assert all(k > 0 for k in ks) and row.drafting, ks
@@ -247,32 +254,12 @@ def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     from specloom.step import StepReport
     from specloom.tree import DraftTree
 
-    class Ctx:
-        k, max_nodes, state = 0, None, None
-
-    class Row:
-        def __init__(self):
-            self.drafting, self.ctx = True, Ctx()
-
     def run(cheap, has_draft, steps):
-        pol = DepthPolicy("auto", 4, curve(LINEAR_IN_N), cheap=cheap)
-        row = Row()
-        row.acc = pol.new_acceptance()
+        def report(k, i):
+            tree = DraftTree([1, 2], [-1, 0]) if k and has_draft(i) else DraftTree([1], [-1])
+            return StepReport(1, len(tree), 0.02 * len(tree), 0.0, [tree], [0])
 
-        class Stepper:
-            drafter = None
-
-            def step(self, rows):
-                k = rows[0].ctx.k
-                tree = DraftTree([1, 2], [-1, 0]) if k and has_draft(len(ks)) else DraftTree([1], [-1])
-                return StepReport(1, len(tree), 0.02 * len(tree), 0.0, [tree], [0])
-
-        ks = []
-        for _ in range(steps):
-            if not row.drafting:
-                break
-            ks.append(pol.run_step(Stepper(), [row], [4])[1][0])
-        return ks, row
+        return _run_policy(DepthPolicy("auto", 4, curve(LINEAR_IN_N), cheap=cheap), report, steps, 4)
 
     ks, row = run(True, lambda i: i >= 10, 40)  # no draft at the first probes (steps 7-9), one at step 10
     assert ks[:7] == [0] * 7 and ks[7:11] == [1] * 4 and ks[11:26] == [0] * 15 and ks[26] == 1, ks
