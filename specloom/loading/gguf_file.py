@@ -1,9 +1,9 @@
 """GGUF loader: metadata -> HF-style config dict, tensors -> HF-convention names holding GGUF tensors.
 
 `gguf_raw_tensors` names every tensor the HF way and wraps it as a `GGUFTensor`, still quantized; the `gguf`
-weight format (`specloom.loading.formats`) dequantizes it with `dequantize_gguf` when the loader asks. That uses
-the `gguf` package (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...). Two llama.cpp conventions
-are undone so that the result is exactly what HF transformers would load; which architecture has which is in its
+weight format (`specloom.loading.formats`) dequantizes it with `dequantize_gguf` when the loader asks. Files are
+parsed by `gguf_reader.GGUFFile` (fast metadata, memory-mapped tensors); dequantization uses the `gguf` package
+(F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, ...). Two llama.cpp conventions are undone so that the result is exactly what HF transformers would load; which architecture has which is in its
 family's record (`specloom.models.family.FamilySpec`):
 * `gguf_permuted_qk_archs` (Llama): convert_hf_to_gguf permutes the rows of q and k for its interleaved RoPE; we
   apply the inverse permutation (Qwen2/Qwen3/Gemma-3 use NeoX RoPE in llama.cpp and are stored unpermuted);
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from ..errors import SpecloomError
 from ..models.family import spec_for_gguf_arch, supported_gguf_archs
+from .gguf_reader import GGUFFile, GGUFFormatError
 
 _TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -45,17 +46,15 @@ _BLOCK_NAMES = {
 
 
 @functools.lru_cache(maxsize=2)
-def _reader_cached(path: str, size: int, mtime_ns: int):
-    from gguf import GGUFReader
-
+def _reader_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the gguf package raises ValueError/struct errors/etc. on bad files
-        raise SpecloomError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        return GGUFFile(path)
+    except (GGUFFormatError, OSError, ValueError) as e:
+        raise SpecloomError(f"{path}: not a readable GGUF file ({e})") from None
 
 
-def _reader(path: str):
-    """One parsed reader per file and process: parsing a 262k-token vocabulary takes ~13 s here."""
+def _reader(path: str) -> GGUFFile:
+    """One parsed file per path and process (metadata parsed, tensors memory-mapped)."""
     st = os.stat(path)
     return _reader_cached(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
@@ -66,11 +65,8 @@ def _config_cache_path(path: str) -> str:
     return os.path.join(cache_dir(), "gguf-config", file_cache_key(path) + ".json")
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.fields.get(key, default)
 
 
 def gguf_config(path: str) -> dict:
@@ -104,7 +100,7 @@ def _gguf_config(path: str) -> dict:
     def get(key, default=None):
         return _field(r, f"{arch}.{key}", default)
 
-    n_tokens = len(r.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in r.fields else None
+    n_tokens = len(r.fields["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in r.fields else None
     cfg = {
         "model_type": spec.gguf_archs[arch],
         "hidden_size": get("embedding_length"),
@@ -146,7 +142,7 @@ class GGUFTensor:
     convention."""
 
     name: str  # the GGUF name (`blk.3.attn_q.weight`)
-    tensor: object  # the `gguf` reader's tensor: `.tensor_type`, `.data` (a memory map), `.shape`
+    tensor: object  # a `gguf_reader.GGUFReaderTensor`: `.tensor_type`, `.data` (a memory map), `.shape`
     fix: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
