@@ -1,5 +1,5 @@
-"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train`, `quantize`, `doctor`
-and `plot`.
+"""`specloom` command line: `generate`, `bench`, `serve`, `bench-serve`, `data`, `train`, `quantize`, `export`,
+`doctor` and `plot`.
 
 Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
 with status 2; there is no traceback for a user's mistake.
@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .quantize.cli import add_parser as add_quantize
 
     add_quantize(sub)
+    from .export import add_parser as add_export
+
+    add_export(sub)
 
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
@@ -530,6 +533,12 @@ def _bench_soak(args) -> int:
     return 0 if s["passed"] else 1
 
 
+def _export(args) -> int:
+    from .export import run
+
+    return run(args)
+
+
 def _quantize(args) -> int:
     from .quantize.cli import run
 
@@ -589,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_dtype_arg(args.kv_dtype)
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
-                "serve": _serve, "quantize": _quantize, "doctor": _doctor}[args.command](args)
+                "serve": _serve, "quantize": _quantize, "doctor": _doctor, "export": _export}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ Our metadata lives in the `specloom` block of `config.json`; inside a target's o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -35,9 +36,9 @@ from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import (add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take,
                           weights_file)
+from ..speculators_format import SPECULATORS_VERSION, rope_keys, speculators_config
 from .model import MARKOV_TYPES, BlockDraftConfig, BlockDraftModel
 
-SPECULATORS_VERSION = "0.3.0"
 DSPARK_FILE = "model-dspark.safetensors"
 
 
@@ -290,8 +291,8 @@ def _qwen3_keys(cfg: BlockDraftConfig) -> dict:
         "model_type": "qwen3", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "num_hidden_layers": cfg.num_layers, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position, "hidden_act": "silu",
-        "tie_word_embeddings": False, "attention_bias": False,
+        **rope_keys(cfg.rope_theta, cfg.rope_scaling), "max_position_embeddings": cfg.max_position,
+        "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
     }
 
 
@@ -323,20 +324,18 @@ def save_zlab(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat1
 
 
 def save_speculators(model: BlockDraftModel, path: str, meta: dict, kind: str, dtype=torch.bfloat16,
-                     verifier: str = "") -> None:
+                     verifier: str = "", verifier_architectures: list[str] | None = None) -> None:
+    """`verifier`: the target's HF id or directory, `verifier_architectures` its HF architectures (what
+    `vllm serve <this dir>` loads as the target)."""
     cfg = model.config
     if kind == "dflash" and (cfg.markov_rank or cfg.confidence_head):
         raise ValueError("a speculators dflash checkpoint has no Markov/confidence heads: save it as dspark")
+    if kind == "dspark" and cfg.confidence_head and cfg.confidence_with_markov and not cfg.markov_rank:
+        cfg = dataclasses.replace(cfg, confidence_with_markov=False)  # the same head (nothing to read without one)
     raw = {
         "architectures": ["DFlashSpeculator" if kind == "dflash" else "DSparkSpeculator"],
         "speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.num_drafts,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": []},
-        },
+        "speculators_config": speculators_config(kind, cfg.num_drafts, verifier, verifier_architectures),
         "transformer_layer_config": _qwen3_keys(cfg),
         "draft_vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
         "target_hidden_size": cfg.target_hidden_size, "aux_hidden_state_layer_ids": list(cfg.feature_ids),

@@ -23,9 +23,8 @@ from ...config_fields import check_attention_shape, config_dict, float_field, in
 from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
+from ..speculators_format import SPECULATORS_VERSION, rope_keys, speculators_config
 from .model import EagleConfig, EagleDraftModel
-
-SPECULATORS_VERSION = "0.3.0"
 
 
 def _kind_of(raw: dict) -> str:
@@ -162,8 +161,8 @@ def _llama_keys(cfg: EagleConfig) -> dict:
         "model_type": "llama", "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
         "num_hidden_layers": 1, "vocab_size": cfg.vocab_size, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "max_position_embeddings": cfg.max_position, "hidden_act": "silu",
-        "tie_word_embeddings": False,
+        **rope_keys(cfg.rope_theta, cfg.rope_scaling), "max_position_embeddings": cfg.max_position,
+        "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
     }
 
 
@@ -179,7 +178,9 @@ def _state(model: EagleDraftModel, dtype) -> dict:
 
 
 def save_eagle(model: EagleDraftModel, path: str, meta: dict, fmt: str = "speculators", dtype=torch.bfloat16,
-               verifier: str = "") -> None:
+               verifier: str = "", verifier_architectures: list[str] | None = None) -> None:
+    """`verifier`: the target's HF id or directory, `verifier_architectures` its HF architectures (written into
+    the speculators config: what `vllm serve <this dir>` loads as the target)."""
     import json
 
     from safetensors.torch import save_file
@@ -192,13 +193,8 @@ def save_eagle(model: EagleDraftModel, path: str, meta: dict, fmt: str = "specul
         raw = {
             "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION,
-            "speculators_config": {
-                "algorithm": "eagle3",
-                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": meta.get("depth", 3),
-                                      "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                "default_proposal_method": "greedy",
-                "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
-            },
+            "speculators_config": speculators_config("eagle3", meta.get("depth", 3), verifier,
+                                                     verifier_architectures or ["LlamaForCausalLM"]),
             "transformer_layer_config": _llama_keys(cfg),
             "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
             "target_hidden_size": cfg.target_hidden_size,

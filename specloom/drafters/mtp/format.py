@@ -7,9 +7,13 @@ own tensor names (`input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention
 embedding and LM head: ignored when present, not written (the loaders of vLLM and SGLang map them onto the shared
 ones too). The target loader skips these layers; this module reads them.
 
-Written two ways: into a copy of a target checkpoint (`save_into_target`: an extra `model-mtp.safetensors`, the
-config and index updated), or as an overlay (`save_overlay`: config keys + the MTP tensors only), which is how
-specloom bundles MTP layers for a GGUF target. Our metadata sits under `specloom_mtp` in a target's config.
+Written three ways: into a copy of a target checkpoint (`save_into_target`: an extra `model-mtp.safetensors`, the
+config and index updated), as an overlay (`save_overlay`: config keys + the MTP tensors only), which is how
+specloom bundles MTP layers for a GGUF target, or in the speculators format (`save_speculators`,
+`speculators_model_type: "mtp"`: one MTP layer of a Qwen3 target, tensors `mtp_layers.0.*` with `token_layernorm`
+= enorm, `hidden_layernorm` = hnorm, `input_proj` = eh_proj, `final_layernorm` = shared_head.norm, the decoder
+block's own names; `transformer_layer_config` = the target's Qwen3 config). All three are read back. Our metadata
+sits under `specloom_mtp` in a target's config, `specloom` in the others.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ def find_mtp_dir(model: str | None, target_config) -> str:
     return find_builtin_dir("mtp", target_config, declares_mtp)
 
 
+# speculators `mtp` names (within `mtp_layers.0.`) of the MTP-specific tensors; the decoder block's keep theirs
+SPECULATORS_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
+                     "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"}
+
+
+def is_speculators(raw: dict) -> bool:
+    return raw.get("speculators_model_type") == "mtp"
+
+
 def read_mtp_config(path: str, target_config) -> dict:
     """The checkpoint's config.json, every field we read typed and bounded (config_fields.py) and compared with the
     target before anything is built."""
@@ -50,9 +63,11 @@ def read_mtp_config(path: str, target_config) -> dict:
     what = f"{path}: mtp drafter config"
     int_field(raw, "num_nextn_predict_layers", what=what)
     tc = target_config
+    # a speculators checkpoint describes the target's layers in transformer_layer_config
+    shape = sub_dict(raw, "transformer_layer_config", what) if is_speculators(raw) else raw
     for key, mine in (("hidden_size", tc.hidden_size), ("vocab_size", tc.vocab_size),
                       ("num_hidden_layers", tc.num_layers)):
-        theirs = int_field(raw, key, mine, what=what)
+        theirs = int_field(shape, key, mine, what=what)
         if theirs != mine:
             raise SpecloomError(f"{path}: MTP layers for {key} {theirs}, but the target has {mine}")
     meta = sub_dict(raw, "specloom_mtp", what) or sub_dict(raw, "specloom", what)
@@ -61,11 +76,14 @@ def read_mtp_config(path: str, target_config) -> dict:
     return raw
 
 
-def _hf_names(model: MTPModel) -> dict[str, tuple[str, ...]]:
-    """Our parameter name (within one MTP layer) -> the HF tensor names it is made of (fused q/k/v, gate/up)."""
+def _hf_names(model: MTPModel, speculators: bool = False) -> dict[str, tuple[str, ...]]:
+    """Our parameter name (within one MTP layer) -> the HF tensor names it is made of (fused q/k/v, gate/up);
+    `speculators`: the names of the speculators `mtp` layout."""
     out = {}
     for name in model.layers[0].state_dict():
         hf = name.replace("block.", "", 1)
+        if speculators:
+            hf = SPECULATORS_NAMES.get(hf, hf)
         if "qkv_proj" in hf:
             out[name] = tuple(hf.replace("qkv_proj", f"{x}_proj") for x in "qkv")
         elif "gate_up_proj" in hf:
@@ -83,14 +101,16 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
     meta = raw.get("specloom_mtp") or raw.get("specloom") or {}
     with torch.device("meta"):  # the expected shapes, nothing allocated: every tensor is checked first
         shapes = MTPModel(tc, N)
-    tensors = read_prefixed(path, tuple(f"model.layers.{L + i}." for i in range(N)))
+    spec = is_speculators(raw)
+    prefixes = tuple(f"mtp_layers.{i}." if spec else f"model.layers.{L + i}." for i in range(N))
+    tensors = read_prefixed(path, prefixes)
     own = shapes.state_dict()
     state = {}
     offset = tc.family_spec.norm_weight_offset  # Gemma: (1 + w) norms, folded as the target loader folds them
     for i in range(N):
-        prefix = f"model.layers.{L + i}."
+        prefix = prefixes[i]
         where = f"{path}: the config declares {N} MTP layer(s) (num_nextn_predict_layers) but"
-        for name, sources in _hf_names(shapes).items():
+        for name, sources in _hf_names(shapes, spec).items():
             shape = own[f"layers.{i}.{name}"].shape
             if name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight") or len(sources) == 1:
                 if prefix + sources[0] not in tensors:
@@ -115,13 +135,13 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
     return model, meta
 
 
-def mtp_tensors(model: MTPModel, L: int, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+def mtp_tensors(model: MTPModel, L: int, dtype=torch.bfloat16, speculators: bool = False) -> dict[str, torch.Tensor]:
     offset = model.config.family_spec.norm_weight_offset
     out = {}
-    names = _hf_names(model)
+    names = _hf_names(model, speculators)
     for i, layer in enumerate(model.layers):
         sd = layer.state_dict()
-        prefix = f"model.layers.{L + i}."
+        prefix = f"mtp_layers.{i}." if speculators else f"model.layers.{L + i}."
         for name, sources in names.items():
             t = sd[name].detach().float().cpu()
             if offset and name.startswith("block.") and name.endswith("norm.weight"):
@@ -161,3 +181,33 @@ def save_into_target(model: MTPModel, target_dir: str, meta: dict, dtype=torch.b
     L = int(_load_json(os.path.join(target_dir, "config.json"))["num_hidden_layers"])
     add_to_target_checkpoint(target_dir, MTP_FILE, mtp_tensors(model, L, dtype), _mtp_config_keys(model, L),
                              "specloom_mtp", meta)
+
+
+def save_speculators(model: MTPModel, path: str, meta: dict, dtype=torch.bfloat16, verifier: str = "",
+                     verifier_architectures: list[str] | None = None) -> None:
+    """The speculators `mtp` layout (what its MTPDraftModel loads): one MTP layer of a Qwen3 target. Its
+    recursion differs from ours past the first step (speculators feeds the next step the final-normed output, we
+    and vLLM's DeepSeek-style MTP models the pre-norm one), so `speculative_tokens` is the layer count, 1."""
+    from safetensors.torch import save_file
+
+    from ..speculators_format import SPECULATORS_VERSION, rope_keys, speculators_config
+
+    c = model.config
+    if c.model_type != "qwen3":
+        raise SpecloomError(f"the speculators mtp format has Qwen3 decoder layers only (qwen3, qwen3_next, qwen3_5); "
+                            f"these MTP layers are {c.model_type} layers: no speculators form")
+    if model.num_layers != 1:
+        raise SpecloomError(f"the speculators mtp format holds one MTP layer; this drafter has {model.num_layers}")
+    layer = {"model_type": "qwen3", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+             "num_hidden_layers": c.num_layers, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+             **rope_keys(c.rope_theta, c.rope_scaling), "max_position_embeddings": c.max_position,
+             "hidden_act": "silu", "tie_word_embeddings": c.tie_word_embeddings, "attention_bias": c.attention_bias}
+    raw = {"architectures": ["MTPDraftModel"], "speculators_model_type": "mtp",
+           "speculators_version": SPECULATORS_VERSION,
+           "speculators_config": speculators_config("mtp", 1, verifier, verifier_architectures or ["Qwen3ForCausalLM"]),
+           "transformer_layer_config": layer, "num_nextn_predict_layers": 1, "specloom": meta}
+    os.makedirs(path, exist_ok=True)
+    save_file(mtp_tensors(model, c.num_layers, dtype, speculators=True), os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f, indent=1)
