@@ -35,9 +35,6 @@ NO_FORM = {
     "ngram": "n-gram speculation has no weights (vLLM: \"method\": \"ngram\")",
     "suffix": "suffix decoding has no weights (vLLM: \"method\": \"suffix\")",
 }
-# the HF repositories the packaged aliases were converted from: what vLLM loads as the target
-HF_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m",
-          "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -116,7 +113,7 @@ def vllm_command(method: str, out: str, verifier: str | None, num_tokens: int) -
 
 
 def _verifier_of(name: str, target) -> tuple[str | None, list[str]]:
-    from .drafters.speculators_format import ARCHITECTURES
+    from .drafters.speculators_format import ARCHITECTURES, HF_IDS
 
     src = getattr(target, "source", None)
     archs = [ARCHITECTURES.get(target.config.model_type, "")] if target.config.model_type in ARCHITECTURES else []

@@ -198,8 +198,9 @@ def test_block_export(smol, tmp_path, kind):
     path = os.path.join(SMOL, kind)
     src = build_block(path, raw(path), smol, kind)
     out = str(tmp_path / kind)
-    write_speculators(kind, src, out, {"kind": kind}, VERIFIER, ["LlamaForCausalLM"], torch.float32)
+    write_speculators(kind, src, out, {"kind": kind}, "smollm2-135m", ["LlamaForCausalLM"], torch.float32)
     validate(out)
+    assert raw(out)["speculators_config"]["verifier"]["name_or_path"] == VERIFIER  # the alias's HF repository
     cfg, sm = theirs(out, smol)
     c = src.config
     assert type(cfg).__name__ == ("DFlashSpeculatorConfig" if kind == "dflash" else "DSparkSpeculatorConfig")

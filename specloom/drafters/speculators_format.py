@@ -21,14 +21,21 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
+# the HF repositories the packaged aliases were converted from: what vLLM loads as the target (a trainer passes
+# the alias it trained against; the verifier entry names the repository instead)
+HF_IDS = {"smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct", "gemma3-270m": "google/gemma-3-270m",
+          "qwen2.5-coder-1.5b": "Qwen/Qwen2.5-Coder-1.5B-Instruct", "qwen2.5-coder-0.5b": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
+
+
 def speculators_config(algorithm: str, speculative_tokens: int, verifier: str | None,
                        verifier_architectures: list[str] | None) -> dict:
+    verifier = HF_IDS.get(verifier, verifier) if verifier else None
     return {
         "algorithm": algorithm,
         "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                               "verifier_accept_k": 1, "accept_tolerance": 0.0}],
         "default_proposal_method": "greedy",
-        "verifier": {"name_or_path": verifier or None, "architectures": list(verifier_architectures or [])},
+        "verifier": {"name_or_path": verifier, "architectures": list(verifier_architectures or [])},
     }
 
 
