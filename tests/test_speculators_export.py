@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 speculators = pytest.importorskip(
-    "speculators", reason="the speculators package is not installed (pip install --no-deps speculators==0.9.0, "
-    "after pip install -e '.[test]')")
+    "speculators", reason="the speculators package cannot be imported: pip install --no-deps speculators==0.9.0 "
+    "after pip install -e '.[test]' (which brings datasets, loguru and hs-connectors, what it imports)")
 
 from speculators import SpeculatorModel, SpeculatorModelConfig  # noqa: E402
 
