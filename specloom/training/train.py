@@ -4,7 +4,8 @@ Trainers register with `@trainer("kind")` and provide `model` (the same module c
 `loss(batch) -> (loss, metrics)` and `save(path, meta)`. The loop: frozen bf16 target (embedding and head only are
 read), AdamW with warm-up + cosine decay, bf16 autocast on CPU, a seeded batch order, resumable checkpoints
 (`train_state.pt` every `--save-every` steps: model, optimizer, step), a progress bar, a held-out evaluation of
-per-step top-1 agreement with the target, and a loss-curve PNG.
+per-step top-1 agreement with the target, and a loss-curve PNG. Under `torchrun --nproc-per-node N` the same loop
+runs in N processes, each on its share of every batch (training/distributed.py); rank 0 prints and writes.
 
 Labels are the target's own: soft distributions from its head applied to the stored final hidden state
 (EAGLE-3, EAGLE-1, Medusa, draft model), and its final features (EAGLE-1's regression target).
@@ -12,7 +13,9 @@ Labels are the target's own: soft distributions from its head applied to the sto
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import sys
 import time
@@ -21,6 +24,7 @@ import torch
 
 from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
+from . import distributed
 from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
 
 
@@ -32,14 +36,16 @@ RESUME_KEYS = ("kind", "lr", "tokens_per_batch", "ttt_steps", "draft_vocab", "lo
 
 
 def _cache_bytes(args) -> int:
-    """Memory for recomputed hidden states: --cache-hidden-gb, or half of what is available now."""
+    """Memory for recomputed hidden states: --cache-hidden-gb (per process), or half of what is available now,
+    shared by the training processes on this machine (torchrun's LOCAL_WORLD_SIZE)."""
     gb = getattr(args, "cache_hidden_gb", None)
     if gb is not None:
         if gb < 0:
             raise SpecloomError(f"--cache-hidden-gb must be >= 0, got {gb}")
         return int(gb * 2 ** 30)
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if distributed.env_world_size() > 1 else 1)
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2 // local
     except (ValueError, OSError, AttributeError):
         return 0
 
@@ -71,16 +77,27 @@ def evaluate(tr, data, index, args, max_batches: int = 8) -> dict:
 
 
 def run_training(args) -> dict:
-    from ..loading import load_target
-    from ..drafters.checkpoint import specloom_meta
-    from .dataset import DistillData
-
     load_trainers()
     if args.kind not in TRAINERS:
         raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(TRAINERS))})")
     if getattr(TRAINERS[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
+        if distributed.env_world_size() > 1:
+            raise SpecloomError(f"specloom train {args.kind} runs in one process (its own loop: a new target, or "
+                                "--init-from fine-tuning); multi-process training (torchrun) covers the drafter kinds")
         return TRAINERS[args.kind].run(args)
-    dev = train_device(args)
+    with distributed.session(train_device(args)) as dev:
+        # the other processes of a torchrun run load, check and train alike: their notes and progress bars would
+        # repeat rank 0's (an error still reaches the command line, which prints it after this block)
+        with contextlib.nullcontext() if distributed.is_main() else contextlib.redirect_stderr(io.StringIO()):
+            return _train(args, dev)
+
+
+def _train(args, dev: torch.device) -> dict:
+    from ..loading import load_target
+    from ..drafters.checkpoint import specloom_meta
+    from .dataset import DistillData
+
+    main = distributed.is_main()
     torch.manual_seed(args.seed)
     from ..host import mkldnn_bf16
 
@@ -108,7 +125,8 @@ def run_training(args) -> dict:
     check_behaviour(data.meta.get("target_probe"), target, " ".join(args.data), tokenizer, subject="this data")
     train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
-          f"({len(eval_idx)} held out)", file=sys.stderr, flush=True)
+          f"({len(eval_idx)} held out)" + (f"; {distributed.world()} processes, each on its share of every batch"
+                                            if distributed.world() > 1 else ""), file=sys.stderr, flush=True)
     for key, value in TRAINERS[args.kind].arg_defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -120,14 +138,20 @@ def run_training(args) -> dict:
     print(f"specloom train {args.kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters",
           file=sys.stderr, flush=True)
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    os.makedirs(args.out, exist_ok=True)
-    remove_stale(args.out)  # a killed run's half-written checkpoint, if any
+    if main:
+        os.makedirs(args.out, exist_ok=True)
+        remove_stale(args.out)  # a killed run's half-written checkpoint, if any
     state_path = os.path.join(args.out, "train_state.pt")
-    batches_per_epoch = len(data.groups(train_idx, args.tokens_per_batch, 0))
+    train_groups = data.groups(train_idx, args.tokens_per_batch, 0)  # every epoch: the same batches, reordered
+    distributed.check_split(train_groups, [len(t) for t, _, _ in data.seqs], args.tokens_per_batch)
+    batches_per_epoch = len(train_groups)
     total = args.steps or batches_per_epoch * args.epochs
     step, history, evals, seen = 0, [], [], 0
     settings = {k: getattr(args, k, None) for k in RESUME_KEYS}
-    if os.path.isfile(state_path):
+    rank, world = distributed.rank(), distributed.world()
+    if rank:  # row / anchor sampling: each process its own stream (rank 0's is the one-process run's)
+        tr.gen.manual_seed(args.seed + 1_000_003 * rank)
+    if os.path.isfile(state_path):  # every process reads the same checkpoint (rank 0 writes only after step 1)
         st = torch.load(state_path, map_location="cpu", weights_only=False)
         old = st.get("settings")
         if old is not None and old != settings:
@@ -138,54 +162,87 @@ def run_training(args) -> dict:
         opt.load_state_dict(st["opt"])
         step, history = st["step"], st["history"]
         evals, seen = st.get("evals", []), st.get("seen", 0)
-        tr.gen.set_state(st["gen"])
+        gens = st.get("gens") or [st["gen"]]
+        if len(gens) == world:
+            tr.gen.set_state(gens[rank])
+        elif rank == 0:
+            tr.gen.set_state(st["gen"])
+        else:  # resumed with another number of processes: a fresh stream per process, still seeded
+            tr.gen.manual_seed(args.seed + 1_000_003 * rank + step)
         print(f"specloom train: resuming at step {step}/{total}", file=sys.stderr, flush=True)
+    distributed.broadcast_module(tr.model)  # equal replicas (they are from the seed; this makes sure)
     if hasattr(tr, "used"):  # a resumed / initialised EAGLE-3 keeps its own draft vocabulary
         tr.used = torch.arange(tr.model.d2t.numel()) + tr.model.d2t
     from tqdm import tqdm
 
-    bar = tqdm(total=total, initial=step, desc=f"train {args.kind}", file=sys.stderr, mininterval=2.0)
+    bar = tqdm(total=total, initial=step, desc=f"train {args.kind}", file=sys.stderr, mininterval=2.0,
+               disable=not main)
     t0 = time.perf_counter()
     limit = getattr(args, "max_minutes", None)
-    timed_out = lambda: bool(limit) and time.perf_counter() - t0 > 60 * limit  # noqa: E731
+    # --max-minutes: every process stops at the same step (rank 0's clock decides)
+    timed_out = lambda: bool(limit) and distributed.any_rank(main and time.perf_counter() - t0 > 60 * limit)  # noqa: E731
     epoch = step // max(batches_per_epoch, 1)
-    while step < total:
+    stopped = False
+    while step < total and not stopped:
         skip = step - epoch * batches_per_epoch
         for group in data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch)[max(skip, 0):]:
-            if step >= total or timed_out():
+            if step >= total:
                 break
-            batch = to_device(data.collate(group, 1024), dev)
+            if timed_out():
+                stopped = True
+                break
+            batch = to_device(data.collate(distributed.shard(group), 1024), dev)
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, total, args.lr, args.warmup)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                 loss, metrics = tr.loss(batch)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            distributed.sync_grads(params)  # the global batch's gradient on every process
             torch.nn.utils.clip_grad_norm_(params, 0.5)
             opt.step()
             step += 1
-            seen += int(batch["loss_mask"].sum())
-            history.append({"step": step, "loss": float(loss), "answer_tokens_seen": seen, **metrics})
+            # the processes' partial losses and metrics add up to the global batch's
+            loss_v, n_seen, *values = distributed.sum_values(
+                [float(loss), int(batch["loss_mask"].sum()), *metrics.values()])
+            seen += int(n_seen)
+            metrics = dict(zip(metrics, values))
+            history.append({"step": step, "loss": loss_v, "answer_tokens_seen": seen, **metrics})
             if args.eval_every and step % args.eval_every == 0 and step < total:
-                tr.model.eval()
-                ev = evaluate(tr, data, eval_idx, args, max_batches=4)
-                tr.model.train()
-                evals.append({"step": step, "answer_tokens_seen": seen, **ev})
-                print(f"\nspecloom train {args.kind}: step {step}, {seen / 1e6:.2f}M answer tokens seen, held-out "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), file=sys.stderr, flush=True)
+                if main:  # rank 0 evaluates the whole held-out set; the others go on to the next batch and wait
+                    tr.model.eval()
+                    with distributed.solo():
+                        ev = evaluate(tr, data, eval_idx, args, max_batches=4)
+                    tr.model.train()
+                    evals.append({"step": step, "answer_tokens_seen": seen, **ev})
+                    print(f"\nspecloom train {args.kind}: step {step}, {seen / 1e6:.2f}M answer tokens seen, "
+                          "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), file=sys.stderr, flush=True)
             bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
+            bar.set_postfix(loss=f"{loss_v:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
             if step % args.save_every == 0 or step == total:
-                with replacing(state_path) as tmp:
-                    torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
-                                "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
-                                "settings": settings}, tmp)
+                gens = distributed.gather_objects(tr.gen.get_state())
+                if main:
+                    with replacing(state_path) as tmp:
+                        torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                    "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
+                                    "settings": settings, **({"gens": gens} if world > 1 else {})}, tmp)
         epoch += 1
-        if timed_out():
-            print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
-            break
+        if not stopped and step < total and timed_out():
+            stopped = True
+    if stopped:
+        print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
     bar.close()
     wall = time.perf_counter() - t0
+    result = None
+    if main:  # the final evaluation and every file: rank 0 alone
+        with distributed.solo():
+            result = _finish(tr, data, eval_idx, args, target, tokenizer, history, evals, step, seen, wall,
+                             specloom_meta)
+    result = distributed.broadcast_object(result)  # and the others wait for it
+    return result
+
+
+def _finish(tr, data, eval_idx, args, target, tokenizer, history, evals, step, seen, wall, specloom_meta) -> dict:
     tr.model.eval()
     ev = evaluate(tr, data, eval_idx, args)
     evals.append({"step": step, "answer_tokens_seen": seen, **ev})
@@ -198,7 +255,7 @@ def run_training(args) -> dict:
                       for m in data.metas],
         "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": args.ttt_steps,
         "train_seconds_this_run": round(wall, 1), "held_out": ev, "answer_tokens_seen": seen,
-        "learning_curve": evals,
+        "learning_curve": evals, **({"processes": distributed.world()} if distributed.world() > 1 else {}),
     })
     meta.update(tr.extra_meta(data, eval_idx))
     tr.save(args.out, meta)
@@ -206,5 +263,3 @@ def run_training(args) -> dict:
     write_json(os.path.join(args.out, "history.json"), history)
     write_json(os.path.join(args.out, "evals.json"), evals, indent=1)
     return {"held_out": ev, "steps": step}
-
-

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ...training.common import _Base, _soft_ce, trainer
+from ...training.distributed import shard_mean, total_rows
 
 DECAY = 4.0  # slot weight exp(-(k-1)/DECAY), DeepSpec / speculators default
 
@@ -112,7 +113,8 @@ class _BlockTrainer(_Base):
         c = m.config
         tokens, valid = batch["tokens"], batch["valid"]
         anchors, good = self._anchors(batch["loss_mask"], valid)
-        if not good.any():
+        n = total_rows(int(good.sum()))  # anchors over all processes' shares of the batch (training/distributed.py)
+        if n == 0:
             return sum(p.sum() * 0.0 for p in self.parameters()), {}
         feats = torch.cat([batch["hidden"][i] for i in self.feature_ids], -1)
         h = m.train_blocks(feats, tokens, valid, anchors)  # (B, A, bs, H)
@@ -135,18 +137,18 @@ class _BlockTrainer(_Base):
             logits = logits + torch.stack(bias, 1)
         w = torch.tensor([math.exp(-j / DECAY) for j in range(S)], device=dev)
         ce = _soft_ce(logits, tgt)  # (N, S)
-        total = (ce * w).sum() / (ce.shape[0] * w.sum())
+        total = (ce * w).sum() / (n * w.sum())
         metrics = {}
         agree = logits.argmax(-1) == tgt.argmax(-1)
         for j in range(S):
-            metrics[f"acc{j}"] = float(agree[:, j].float().mean())
+            metrics[f"acc{j}"] = float(shard_mean(agree[:, j].float(), n))
         if m.has_confidence:
             with torch.no_grad():
                 target_c = 1 - 0.5 * (torch.softmax(logits.float(), -1) - torch.softmax(tgt, -1)).abs().sum(-1)
             cl = m.confidence_logit(hs, prev)
             bce = F.binary_cross_entropy_with_logits(cl.float(), target_c.clamp(0, 1), reduction="none")
-            total = total + (bce * w).sum() / (bce.shape[0] * w.sum())
-            metrics["conf_err"] = float((torch.sigmoid(cl.float()) - target_c).abs().mean())
+            total = total + (bce * w).sum() / (n * w.sum())
+            metrics["conf_err"] = float(shard_mean((torch.sigmoid(cl.float()) - target_c).abs(), n * S))
         return total, metrics
 
     def target_logits(self, h, rows=None):

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
+from ...training.distributed import shard_mean, total_rows
 
 
 @trainer("draft_model")
@@ -44,10 +45,11 @@ class DraftModelTrainer(_Base):
         out = self.model(tokens, pos, kv, attn_mask=mask, capture=(cfg_l := self.model.config.num_layers,))
         h = out.hidden[cfg_l]
         rows = _sample_rows(valid, self.args.loss_fraction, self.gen)
+        n = total_rows(rows.numel())  # over all processes' shares of the batch (training/distributed.py)
         tgt = self.target_logits(batch["hidden"][self.L].flatten(0, 1)[rows])
         logits = self.target_logits(h.flatten(0, 1)[rows])
-        loss = _soft_ce(logits, tgt).mean()
-        return loss, {"acc0": float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())}
+        loss = shard_mean(_soft_ce(logits, tgt), n)
+        return loss, {"acc0": float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))}
 
     def target_logits(self, h, rows=None):
         return F.linear(h.to(self.head_w.dtype), self.head_w).float()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, trainer
+from ...training.distributed import shard_mean, total_rows
 
 
 def warm_start(model, target, layer: int) -> None:
@@ -120,14 +121,15 @@ class Eagle3Trainer(_Base):
         for j, h in m.ttt_forward(feats, tokens, valid, a.ttt_steps):
             ok = _shift(valid, 1 + j) & valid & _shift(m.t2d[tokens], 2 + j)  # x_{t+2+j} in the draft vocab
             rows = _sample_rows(ok, a.loss_fraction, self.gen)
-            if rows.numel() == 0:
+            n = total_rows(rows.numel())  # over all processes' shares of the batch (training/distributed.py)
+            if n == 0:
                 continue
             hs = h.flatten(0, 1)[rows]
             tgt = self.target_logits(_shift(final, 1 + j).flatten(0, 1)[rows], self.used)
             logits = m.lm_head(m.norm(hs))
-            lj = _soft_ce(logits, tgt).mean()
+            lj = shard_mean(_soft_ce(logits, tgt), n)
             total = total + (0.8 ** j) * lj
-            metrics[f"acc{j}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
+            metrics[f"acc{j}"] = float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))
         return total, metrics
 
     def save(self, path, meta):
@@ -159,13 +161,14 @@ class Eagle1Trainer(_Base):
             ok = _shift(valid, 1 + j) & valid
             tf = _shift(final, 1 + j).float()
             v = F.smooth_l1_loss(h.float(), tf, reduction="none").mean(-1)
-            vloss = (v * ok).sum() / ok.sum().clamp(min=1)
+            vloss = (v * ok).sum() / max(total_rows(int(ok.sum())), 1)  # counts over all processes' shares
             rows = _sample_rows(ok, a.loss_fraction, self.gen)
+            n = total_rows(rows.numel())
             hs, tgt = h.flatten(0, 1)[rows], self.target_logits(tf.flatten(0, 1)[rows])
             logits = self.target_logits(hs)
-            ploss = _soft_ce(logits, tgt).mean()
+            ploss = shard_mean(_soft_ce(logits, tgt), n)
             total = total + (0.8 ** j) * (vloss + a.token_weight * ploss)
-            metrics[f"acc{j}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
+            metrics[f"acc{j}"] = float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))
         return total, metrics
 
     def target_logits(self, h, rows=None):

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, to_device, trainer
+from ...training.distributed import shard_mean, total_rows
 
 
 @trainer("medusa")
@@ -60,13 +61,14 @@ class MedusaTrainer(_Base):
             # head k at row t: the target's distribution at t+1+k, whose label x_{t+2+k} the heads can score
             ok = _shift(valid, 1 + k) & valid & _shift(inv, 2 + k)
             rows = _sample_rows(ok, self.args.loss_fraction, self.gen)
-            if rows.numel() == 0:
+            n = total_rows(rows.numel())  # over all processes' shares of the batch (training/distributed.py)
+            if n == 0:
                 continue
             x = final.flatten(0, 1)[rows]
             tgt = F.linear(_shift(final, 1 + k).flatten(0, 1)[rows].to(w.dtype), w).float()
             logits = F.linear(head(x.to(head[0].linear.weight.dtype)).to(w.dtype), w).float()
-            total = total + (0.8 ** k) * _soft_ce(logits, tgt).mean()
-            metrics[f"acc{k}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
+            total = total + (0.8 ** k) * shard_mean(_soft_ce(logits, tgt), n)
+            metrics[f"acc{k}"] = float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))
         return total, metrics
 
     def save(self, path, meta):

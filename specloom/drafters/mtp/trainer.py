@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
+from ...training.distributed import shard_mean, total_rows
 
 
 @trainer("mtp")
@@ -36,12 +37,13 @@ class MTPTrainer(_Base):
         for i, h in m.train_forward(final, tokens, valid):
             ok = _shift(valid, 1 + i) & valid  # the target's distribution for x_{t+2+i} sits at row t+1+i
             rows = _sample_rows(ok, self.args.loss_fraction, self.gen)
-            if rows.numel() == 0:
+            n = total_rows(rows.numel())  # over all processes' shares of the batch (training/distributed.py)
+            if n == 0:
                 continue
             tgt = self.target_logits(_shift(final, 1 + i).flatten(0, 1)[rows])
             logits = m.logits(i, h.flatten(0, 1)[rows])
-            total = total + (0.8 ** i) * _soft_ce(logits, tgt).mean()
-            metrics[f"acc{i}"] = float((logits.argmax(-1) == tgt.argmax(-1)).float().mean())
+            total = total + (0.8 ** i) * shard_mean(_soft_ce(logits, tgt), n)
+            metrics[f"acc{i}"] = float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))
         return total, metrics
 
     def target_logits(self, h, rows=None):
