@@ -164,8 +164,9 @@ def tau_of(model, tok, config, ids, max_tokens) -> dict:
 
 
 def section_distance(args, ids) -> list[dict]:
-    orig, tok = load_target("smollm2-135m", "fp32", progress=False)
-    ft, _ = load_target(args.finetuned, "fp32", progress=False)
+    # unpacked (plain nn.Linear weights): the interpolation below writes the weights the passes read
+    orig, tok = load_target("smollm2-135m", "fp32", progress=False, pack=False)
+    ft, _ = load_target(args.finetuned, "fp32", progress=False, pack=False)
     a_sd = {k: v.clone() for k, v in orig.state_dict().items()}
     b_sd = ft.state_dict()
     del ft
