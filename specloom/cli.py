@@ -97,8 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=_positive_int, default=None, help="use the first N prompts")
     b.add_argument("--per-category", type=_positive_int, default=None, help="use the first N prompts of each category")
     b.add_argument("--categories", default=None, help="comma-separated categories to keep (e.g. summarization,rag)")
-    b.add_argument("--baseline", choices=["plain", "hf"], default="plain",
-                   help="plain: specloom without speculation (default); hf: HF transformers generate (fp32)")
+    b.add_argument("--baseline", default="plain", metavar="NAME[,NAME...]",
+                   help="baseline(s) timed interleaved with the candidate, comma-separated: plain (specloom without "
+                        "speculation, default), hf (HF transformers generate, fp32), hf-assisted (HF assisted "
+                        "generation with --baseline-draft), hf-lookup (HF prompt lookup), llama.cpp, "
+                        "llama.cpp-lookup (llama-cpp-python: pip install 'specloom[llama]'), llama.cpp-draft "
+                        "(llama.cpp's draft-model speculation: scripts/build_llama_speculative.sh); the first is "
+                        "the report's main baseline")
+    b.add_argument("--baseline-draft", default=None, metavar="MODEL",
+                   help="draft model of hf-assisted and llama.cpp-draft (default: the candidate's draft_model)")
+    b.add_argument("--baseline-draft-tokens", type=_positive_int, default=None, metavar="K",
+                   help="tokens drafted per step by hf-assisted and llama.cpp-draft (default: each library's own: "
+                        "HF 20 with its confidence stop, llama.cpp 3)")
+    b.add_argument("--baseline-lookup-tokens", type=_positive_int, default=10, metavar="N",
+                   help="tokens copied per lookup by hf-lookup and llama.cpp-lookup (default 10; n-gram up to 2)")
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
     b.add_argument("--compare", default=None, metavar="JSON",
                    help='several drafters vs plain in one run: \'{"name": {speculative config}, ...}\'')
@@ -406,6 +418,8 @@ def _bench(args) -> int:
         max_tokens=args.max_tokens, dtype=args.dtype,
         speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
         json_out=args.json_out, device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel,
+        baseline_draft=args.baseline_draft, baseline_draft_tokens=args.baseline_draft_tokens,
+        baseline_lookup_tokens=args.baseline_lookup_tokens,
     )
     return 0
 

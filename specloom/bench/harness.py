@@ -6,6 +6,12 @@ count generated tokens over wall time *including prefill*. The report records th
 (CPU model and flags, oneDNN bf16, threads, torch: `host.py`), the target's linear kernel and the speculation
 mode (`auto` by default: depth per step from the host's verify-cost curve and the acceptance). `speedup` is the median of the per-prompt ratios;
 `speedup_aggregate` the ratio of total throughputs. Greedy outputs are compared token by token.
+
+Baselines come from the peer registry (`bench/peers/`): `--baseline plain,hf,hf-lookup,llama.cpp,...` times every
+one of them with the candidate, prompt by prompt, in an order reversed every other prompt (A B C D, D C B A, ...),
+after one warm-up each. The first named is the baseline of the report's original keys; every peer also gets an entry
+under `peers` (tokens/s, ratio to specloom plain, the candidate's speed-up over it, tau and draft acceptance where
+the peer can count them, outputs identical to specloom plain's).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from tqdm import tqdm
 
 from ..engine import Engine, acceptance_rates, load, mean_accepted_length
 from ..errors import SpecloomError
+from ..speculative import SpeculativeConfig
 
 
 def read_prompts(
@@ -68,6 +75,11 @@ class Run:
     tau: float = 1.0
     draft_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    text = None  # the candidate reports token ids (a peer may report text: peers.PeerRun)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
     @property
     def tps(self) -> float:
@@ -82,15 +94,6 @@ class EngineRunner:
         r = self.engine.generate(prompt_token_ids=ids, max_tokens=max_tokens)
         return Run(r.token_ids, r.total_seconds, r.num_target_passes, r.proposed_per_position,
                    r.accepted_per_position, r.mean_accepted_length, r.draft_seconds, r.prefill_seconds)
-
-
-class HFRunner:
-    def __init__(self, hf, name: str = "hf"):
-        self.hf, self.name = hf, name
-
-    def run(self, ids: list[int], max_tokens: int) -> Run:
-        tokens, seconds = self.hf.run(ids, max_tokens)
-        return Run(tokens, seconds, len(tokens))
 
 
 def add_per_position(acc: list[int], xs: list[int] | None) -> None:
@@ -108,7 +111,7 @@ def run_bench(
     max_tokens: int = 128,
     dtype: str = "bf16",
     speculative_config=None,
-    baseline: str = "plain",
+    baseline: "str | list[str]" = "plain",
     chat: bool = True,
     json_out: str | None = None,
     progress: bool = True,
@@ -118,76 +121,148 @@ def run_bench(
     device: str | None = "cpu",
     speculation: str = "auto",
     linear_kernel: str = "auto",
+    baseline_draft: str | None = None,
+    baseline_draft_tokens: int | None = None,
+    baseline_lookup_tokens: int = 10,
 ) -> dict:
+    """`baseline`: one peer name or several, comma-separated (`peers.names()`); the first is *the* baseline of the
+    report's top-level keys (speedup, baseline_tokens_per_second, identical_outputs, per-prompt baseline_*), every
+    one gets its entry under `peers`. Each peer's output is compared with specloom plain's: the `plain` peer when
+    listed, else the candidate itself when it does not speculate, else `plain` is added to the run (timed like
+    the others, marked auto_added)."""
+    from . import peers as peer_registry
+
+    names = peer_registry.parse_baselines(baseline)
+    spec = SpeculativeConfig.parse(speculative_config)
+    draft = baseline_draft or (spec.model if spec is not None and spec.method == "draft_model" else None)
+    for name in names:  # a missing package or program: one message before anything loads
+        peer_registry.PEERS[name].preflight(model, draft)
     rows = read_prompts(prompts, limit, per_category, categories)
     engine = load(model, speculative_config=speculative_config, dtype=dtype, progress=progress, kv_dtype=kv_dtype,
                   device=device, speculation=speculation, linear_kernel=linear_kernel)
     host = print_host(engine.model, file=sys.stderr)
     candidate = EngineRunner(engine, "specloom" + (f"+{engine.speculative_config.method}"
                                                    if engine.speculative_config else ""))
-    if baseline == "hf":
-        from .hf_baseline import HFBaseline
-
-        base = HFRunner(HFBaseline(model, engine.tokenizer.eos_token_ids))
-    elif baseline == "plain":
-        base = EngineRunner(Engine(engine.model, engine.tokenizer, None, engine.max_model_len,
-                                   kv_dtype=engine.kv_dtype), "specloom-plain")
-    else:
-        raise SpecloomError(f"unknown baseline {baseline!r} (plain or hf)")
     use_chat = chat and engine.tokenizer.has_chat_template
     encoded = [engine.encode(r["text"], chat=use_chat) for r in rows]
     for ids in encoded:
         if len(ids) + max_tokens > engine.max_model_len:
             raise SpecloomError(f"a prompt of {len(ids)} tokens + {max_tokens} exceeds the context")
 
+    speculates = engine.drafter is not None
+    run_names = list(names)
+    auto_plain = speculates and "plain" not in names
+    if auto_plain:
+        run_names.append("plain")
+    reference = "plain" if "plain" in run_names else "candidate"
+    need = max(len(ids) for ids in encoded) + max_tokens + 8
+    ctx = peer_registry.PeerContext(
+        model=model, eos_token_ids=engine.tokenizer.eos_token_ids, threads=torch.get_num_threads(),
+        n_ctx=min(engine.max_model_len, -(-need // 256) * 256), dtype=dtype, engine=engine, draft_model=draft,
+        draft_tokens=baseline_draft_tokens, lookup_tokens=baseline_lookup_tokens)
+    made: dict = {}
+    try:
+        for name in run_names:
+            made[name] = peer_registry.create(name, ctx)
+        return _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_plain, rows, encoded,
+                           max_tokens, use_chat, host, progress, json_out)
+    finally:
+        for peer in made.values():
+            peer.close()
+
+
+def _tps(r) -> float:
+    return r.num_tokens / r.seconds if r.seconds > 0 else 0.0
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None if a == b else min(len(a), len(b)))
+
+
+def _same_as(engine: Engine, ref_tokens: list[int], run) -> bool:
+    """A peer's output equal to specloom plain's: token for token, or as text for a peer that reports text."""
+    if run.text is not None:
+        ids = ref_tokens[:-1] if ref_tokens and ref_tokens[-1] in engine.tokenizer.eos_token_ids else ref_tokens
+        return engine.tokenizer.decode(ids, skip_special_tokens=False) == run.text
+    return list(run.tokens) == list(ref_tokens)
+
+
+def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_plain, rows, encoded, max_tokens,
+                use_chat, host, progress, json_out) -> dict:
+    primary = names[0]
+    base = made[primary]
+    runners = [(n, made[n]) for n in made] + [("candidate", candidate)]
     warm = encoded[0][:64]
-    base.run(warm, 8)
-    candidate.run(warm, 8)
+    for _, r in runners:
+        r.run(warm, 8)
 
     per_prompt = []
     tot = {"b_tok": 0, "b_s": 0.0, "c_tok": 0, "c_s": 0.0, "c_pass": 0}
     proposed: list[int] = []
     accepted: list[int] = []
+    peer_rows: dict[str, list[dict]] = {n: [] for n in made}
     for i, (row, ids) in enumerate(tqdm(list(zip(rows, encoded)), desc="bench", unit="prompt",
                                         disable=not progress, file=sys.stderr)):
-        if i % 2 == 0:
-            b = base.run(ids, max_tokens)
-            c = candidate.run(ids, max_tokens)
-        else:
-            c = candidate.run(ids, max_tokens)
-            b = base.run(ids, max_tokens)
-        tot["b_tok"] += len(b.tokens)
+        got = {}
+        for name, r in (runners if i % 2 == 0 else runners[::-1]):  # A B C .., .. C B A: drift cancels
+            got[name] = r.run(ids, max_tokens)
+        b, c = got[primary], got["candidate"]
+        ref = got[reference]
+        tot["b_tok"] += b.num_tokens
         tot["b_s"] += b.seconds
         tot["c_tok"] += len(c.tokens)
         tot["c_s"] += c.seconds
         tot["c_pass"] += c.passes
         add_per_position(proposed, c.proposed)
         add_per_position(accepted, c.accepted)
-        diverged = b.tokens != c.tokens
-        margin = divergence_margin(engine, ids, b.tokens, c.tokens) if diverged and baseline == "plain" else None
+        diverged = not _same_as(engine, c.tokens, b)
+        margin = divergence_margin(engine, ids, b.tokens, c.tokens) if diverged and primary == "plain" else None
+        peers_here = {}
+        for name in made:
+            p = got[name]
+            same = _same_as(engine, ref.tokens, p)
+            entry = {
+                "tokens": p.num_tokens, "seconds": p.seconds, "tokens_per_second": _tps(p),
+                "candidate_speedup": _tps(c) / _tps(p) if _tps(p) else 0.0,
+                "ratio_to_specloom_plain": _tps(p) / _tps(ref) if _tps(ref) else 0.0,
+                "identical_to_specloom_plain": same,
+                "first_difference": None if same or p.text is not None else _first_difference(ref.tokens, p.tokens),
+                "target_passes": p.passes, "drafted": p.drafted, "accepted": p.accepted,
+            }
+            if p.prompt_tokens is not None:
+                entry["prompt_tokens_seen"] = p.prompt_tokens
+            if p.wall_seconds is not None:
+                entry["process_seconds"] = p.wall_seconds
+            peers_here[name] = entry
+            peer_rows[name].append(entry)
         per_prompt.append({
             "id": row["id"],
             "category": row["category"],
             "prompt_tokens": len(ids),
-            "baseline_tokens": len(b.tokens),
+            "baseline_tokens": b.num_tokens,
             "candidate_tokens": len(c.tokens),
-            "baseline_tokens_per_second": b.tps,
+            "baseline_tokens_per_second": _tps(b),
             "candidate_tokens_per_second": c.tps,
-            "speedup": c.tps / b.tps if b.tps else 0.0,
+            "speedup": c.tps / _tps(b) if _tps(b) else 0.0,
             "mean_accepted_length": c.tau,
             "acceptance_per_position": acceptance_rates(c.accepted or [], c.proposed or []),
             "identical": not diverged,
             "top2_margin_at_divergence": margin,
-            "first_difference": next((j for j, (x, y) in enumerate(zip(b.tokens, c.tokens)) if x != y),
-                                     None if b.tokens == c.tokens else min(len(b.tokens), len(c.tokens))),
+            "first_difference": None if not diverged or b.text is not None else _first_difference(b.tokens, c.tokens),
+            "candidate_identical_to_specloom_plain": _same_as(engine, ref.tokens, c) if reference != "candidate"
+            else True,
+            "peers": peers_here,
         })
     b_tps = tot["b_tok"] / tot["b_s"]
     c_tps = tot["c_tok"] / tot["c_s"]
+    ref_tok = sum(p["candidate_tokens"] for p in per_prompt) if reference == "candidate" else \
+        sum(e["tokens"] for e in peer_rows[reference])
+    ref_s = tot["c_s"] if reference == "candidate" else sum(e["seconds"] for e in peer_rows[reference])
     report = {
         "model": model,
         "dtype": dtype,
         "kv_dtype": engine.model.new_kv(1, engine.kv_dtype).kv_type.label,
-        "baseline": base.name + (" (fp32)" if baseline == "hf" else f" ({dtype})"),
+        "baseline": base.label,
         "candidate": candidate.name,
         "speculative_config": engine.speculative_config.__dict__ if engine.speculative_config else None,
         "speculation": engine.speculation if engine.drafter is not None else "off",
@@ -203,6 +278,11 @@ def run_bench(
         "acceptance_per_position": acceptance_rates(accepted, proposed),
         "identical_outputs": sum(p["identical"] for p in per_prompt),
         "prefill_included": True,
+        "baselines": list(names),
+        "identity_reference": "specloom-plain" if reference == "plain" else "candidate (no speculation)",
+        "candidate_identical_to_specloom_plain": sum(p["candidate_identical_to_specloom_plain"] for p in per_prompt),
+        "peers": {name: _peer_summary(made[name], peer_rows[name], per_prompt, ref_tok / ref_s,
+                                      auto_added=auto_plain and name == "plain") for name in made},
         "host": host,
         "linear_kernel": kernel_report(engine.model),
         "environment": {
@@ -221,6 +301,38 @@ def run_bench(
     else:
         print(json.dumps({k: v for k, v in report.items() if k != "prompts"}))
     return report
+
+
+def _peer_summary(peer, rows: list[dict], per_prompt: list[dict], ref_tps: float, auto_added: bool) -> dict:
+    tok = sum(r["tokens"] for r in rows)
+    sec = sum(r["seconds"] for r in rows)
+    tps = tok / sec if sec > 0 else 0.0
+    c_tps = sum(p["candidate_tokens"] for p in per_prompt) / sum(
+        p["candidate_tokens"] / p["candidate_tokens_per_second"] for p in per_prompt if p["candidate_tokens_per_second"])
+    passes = [r["target_passes"] for r in rows]
+    drafted = [r["drafted"] for r in rows]
+    acc = [r["accepted"] for r in rows]
+    out = {
+        "label": peer.label,
+        "settings": peer.settings(),
+        "auto_added": auto_added,
+        "tokens_per_second": tps,
+        "ms_per_token": 1000 / tps if tps else None,
+        "candidate_speedup": statistics.median(r["candidate_speedup"] for r in rows),
+        "candidate_speedup_aggregate": c_tps / tps if tps else 0.0,
+        "ratio_to_specloom_plain": statistics.median(r["ratio_to_specloom_plain"] for r in rows),
+        "ratio_to_specloom_plain_aggregate": tps / ref_tps if ref_tps else 0.0,
+        # tau as specloom counts it: (tokens - 1) / (passes - 1) summed over requests (the prefill pass left out)
+        "mean_accepted_length": mean_accepted_length(tok, sum(passes), len(rows)) if None not in passes else None,
+        "draft_acceptance": (sum(acc) / sum(drafted)) if None not in drafted and None not in acc and sum(drafted)
+        else None,
+        "identical_to_specloom_plain": sum(r["identical_to_specloom_plain"] for r in rows),
+        "num_prompts": len(rows),
+    }
+    seen = [(r["prompt_tokens_seen"], p["prompt_tokens"]) for r, p in zip(rows, per_prompt) if "prompt_tokens_seen" in r]
+    if seen:
+        out["prompt_tokenization_mismatches"] = sum(a != b for a, b in seen)
+    return out
 
 
 def kernel_report(model) -> dict | None:
@@ -269,3 +381,15 @@ def print_table(report: dict, file=sys.stdout) -> None:
       f"{report['speedup_aggregate']:.2f}x (aggregate); {report['candidate_tokens_per_second']:.1f} vs "
       f"{report['baseline_tokens_per_second']:.1f} tokens/s; tau {report['mean_accepted_length']:.2f}; "
       f"identical outputs {report['identical_outputs']}/{report['num_prompts']}\n")
+    peers = report.get("peers") or {}
+    if len(peers) > 1 or any(n not in ("plain", "hf") for n in peers):
+        w(f"\n{'peer':<34} {'tok/s':>7} {'vs plain':>8} {'cand. x':>8} {'tau':>5} {'accept':>6} {'same':>6}\n")
+        for name, p in peers.items():
+            tau = p["mean_accepted_length"]
+            acc = p["draft_acceptance"]
+            w(f"{p['label'] + (' (added)' if p['auto_added'] else ''):<34} {p['tokens_per_second']:>7.1f} "
+              f"{p['ratio_to_specloom_plain']:>7.2f}x {p['candidate_speedup']:>7.2f}x "
+              f"{'-' if tau is None else f'{tau:.2f}':>5} {'-' if acc is None else f'{acc:.0%}':>6} "
+              f"{p['identical_to_specloom_plain']:>3}/{p['num_prompts']}\n")
+        w(f"(vs plain: median per-prompt ratio of tokens/s to {report['identity_reference']}; cand. x: the "
+          f"candidate's median speed-up over the peer; same: outputs identical to specloom plain)\n")
