@@ -297,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plot", help="draw acceptance per position from bench reports (needs matplotlib)")
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
+
+    rp = sub.add_parser("report", help="the peer report: one table per target (specloom plain, specloom + drafter, "
+                        "every peer) and a bar chart, from `specloom bench --baseline plain,... --json` runs")
+    rp.add_argument("out", help="Markdown file to write (the chart goes beside it as .png)")
+    rp.add_argument("--bench", nargs="+", required=True, metavar="JSON", help="bench reports, one per target")
+    rp.add_argument("--png", default=None, help="where the bar chart goes (default: OUT with .png)")
     return parser
 
 
@@ -591,6 +597,14 @@ def _plot(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from .bench.peer_report import write_report
+
+    png = write_report(args.out, args.bench, args.png)
+    print(f"{args.out}\n{png}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -612,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_dtype_arg(args.kv_dtype)
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
-                "serve": _serve, "quantize": _quantize, "doctor": _doctor, "export": _export}[args.command](args)
+                "serve": _serve, "quantize": _quantize, "doctor": _doctor, "export": _export,
+                "report": _report}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

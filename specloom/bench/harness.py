@@ -260,6 +260,7 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
     ref_s = tot["c_s"] if reference == "candidate" else sum(e["seconds"] for e in peer_rows[reference])
     report = {
         "model": model,
+        "command": " ".join([os.path.basename(sys.argv[0]) or "specloom", *sys.argv[1:]]),
         "dtype": dtype,
         "kv_dtype": engine.model.new_kv(1, engine.kv_dtype).kv_type.label,
         "baseline": base.label,
