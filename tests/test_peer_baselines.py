@@ -113,6 +113,18 @@ def test_bench_interleaves_peers_and_adds_plain(tiny, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "r.json").read_text())["peers"]["fake-a"]["num_prompts"] == 2
 
 
+def test_peer_tau_counts_verification_passes():
+    from specloom.bench.harness import _peer_tau
+
+    # a prefill pass yielding one token, then 3 passes yielding 3 + 3 + 2: tau (9 - 1) / 3
+    assert _peer_tau([{"prefill_pass": True}], 9, [4]) == pytest.approx(8 / 3)
+    # every pass verifies a draft (HF assisted, llama-speculative-simple): 16 tokens in 4 passes
+    assert _peer_tau([{"prefill_pass": False}] * 2, 32, [4, 4]) == 4.0
+    assert _peer_tau([{"prefill_pass": True}], 9, [None]) is None
+    r = PeerRun([1, 2], 0.5, 2, 3, 1)  # positional order: tokens, seconds, passes, drafted, accepted
+    assert (r.passes, r.drafted, r.accepted, r.prefill_pass, r.num_tokens) == (2, 3, 1, True, 2)
+
+
 def test_unknown_baseline_is_one_line(capsys, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
@@ -195,3 +207,35 @@ def test_llama_cpp_greedy_agrees_with_specloom_on_smollm2(request, name):
                 assert margin is not None and margin < 0.25, (prompt, margin)
     finally:
         peer.close()
+
+
+@pytest.mark.real
+def test_llama_cpp_draft_program_on_smollm2(request):
+    """llama.cpp's own draft-model speculation (SmolLM2 drafting for itself): its text parsed back, its counters
+    read, the output equal to specloom's or split at a near-tie."""
+    from specloom.bench.harness import _same_as, divergence_margin
+    from specloom.bench.peers.llamacpp_draft import find_tool
+
+    if find_tool() is None:
+        pytest.skip("llama-speculative-simple not built (bash scripts/build_llama_speculative.sh)")
+    from specloom.loading import resolve
+
+    try:
+        resolve("smollm2-135m")
+    except SpecloomError as e:
+        pytest.skip(f"smollm2-135m not available: {e}")
+    smollm2 = request.getfixturevalue("smollm2")
+    plain = Engine(smollm2.model, smollm2.tokenizer)
+    ctx = PeerContext(model="smollm2-135m", eos_token_ids=smollm2.tokenizer.eos_token_ids, threads=1, n_ctx=256,
+                      engine=plain, draft_model="smollm2-135m", draft_tokens=3)
+    peer = peers.create("llama.cpp-draft", ctx)
+    ids = plain.encode("Name the capital of Japan.", chat=True)
+    want = plain.generate(prompt_token_ids=ids, max_tokens=16).token_ids
+    got = peer.run(ids, 16)
+    assert got.prompt_tokens == len(ids)  # it tokenized the detokenized chat prompt back to the same ids
+    assert got.text is not None and got.counted_tokens >= 1 and got.seconds > 0
+    assert got.drafted >= got.accepted >= 0 and got.passes >= 1
+    assert peer.settings()["draft_tokens"] == 3
+    if not _same_as(plain, want, got):
+        margin = divergence_margin(plain, ids, want, got.tokens)
+        assert margin is not None and margin < 0.25, margin

@@ -227,7 +227,8 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
                 "ratio_to_specloom_plain": _tps(p) / _tps(ref) if _tps(ref) else 0.0,
                 "identical_to_specloom_plain": same,
                 "first_difference": None if same or p.text is not None else _first_difference(ref.tokens, p.tokens),
-                "target_passes": p.passes, "drafted": p.drafted, "accepted": p.accepted,
+                "target_passes": p.passes, "prefill_pass": p.prefill_pass, "drafted": p.drafted,
+                "accepted": p.accepted,
             }
             if p.prompt_tokens is not None:
                 entry["prompt_tokens_seen"] = p.prompt_tokens
@@ -304,6 +305,19 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
     return report
 
 
+def _peer_tau(rows: list[dict], tok: int, passes: list) -> float | None:
+    """tau as specloom counts it: generated tokens per verification pass. A peer whose first pass is a prefill
+    yielding one token (specloom, llama-cpp-python, HF plain): (tokens - 1) / (passes - 1) per request summed;
+    one whose every pass verifies a draft (HF assisted/lookup, llama-speculative-simple): tokens / passes."""
+    if None in passes or not rows:
+        return None
+    if all(r["prefill_pass"] for r in rows):
+        return mean_accepted_length(tok, sum(passes), len(rows))
+    if not any(r["prefill_pass"] for r in rows):
+        return tok / sum(passes) if sum(passes) else None
+    return None
+
+
 def _peer_summary(peer, rows: list[dict], per_prompt: list[dict], ref_tps: float, auto_added: bool) -> dict:
     tok = sum(r["tokens"] for r in rows)
     sec = sum(r["seconds"] for r in rows)
@@ -323,8 +337,7 @@ def _peer_summary(peer, rows: list[dict], per_prompt: list[dict], ref_tps: float
         "candidate_speedup_aggregate": c_tps / tps if tps else 0.0,
         "ratio_to_specloom_plain": statistics.median(r["ratio_to_specloom_plain"] for r in rows),
         "ratio_to_specloom_plain_aggregate": tps / ref_tps if ref_tps else 0.0,
-        # tau as specloom counts it: (tokens - 1) / (passes - 1) summed over requests (the prefill pass left out)
-        "mean_accepted_length": mean_accepted_length(tok, sum(passes), len(rows)) if None not in passes else None,
+        "mean_accepted_length": _peer_tau(rows, tok, passes),
         "draft_acceptance": (sum(acc) / sum(drafted)) if None not in drafted and None not in acc and sum(drafted)
         else None,
         "identical_to_specloom_plain": sum(r["identical_to_specloom_plain"] for r in rows),

@@ -53,13 +53,16 @@ class PeerContext:
 class PeerRun:
     tokens: list[int]
     seconds: float  # wall time including prefill
-    passes: int | None = None  # target forward passes (prefill included) when the peer can count them
+    passes: int | None = None  # target forward passes when the peer can count them
     drafted: int | None = None  # draft tokens proposed / accepted, when known
     accepted: int | None = None
     prompt_tokens: int | None = None  # what the peer itself tokenized, when it tokenizes (llama.cpp-draft)
     text: str | None = None  # set by a peer that reports text, not ids: identity is then judged on the text
     counted_tokens: int | None = None  # the peer's own count of generated tokens, when `tokens` is re-tokenized
     wall_seconds: float | None = None  # a peer timing itself inside a process: the process's wall time too
+    prefill_pass: bool = True  # passes[0] is a prefill yielding one token (specloom, llama-cpp-python); False:
+    # every pass verifies a draft and yields its accepted tokens + 1 (HF assisted/lookup verify the prompt with
+    # the first draft; llama-speculative-simple reports decode passes only)
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,8 @@
 The draft model of `hf-assisted` is `--baseline-draft MODEL`, else the candidate's own `draft_model` speculative
 config's model; HF's assisted-generation defaults apply (20 draft tokens a step with the assistant's confidence
 threshold 0.4 stopping it early) unless `--baseline-draft-tokens K` fixes the step at K. Target passes are counted
-with a forward hook, so the report's tau for these peers is generated tokens per target forward (HF verifies the
-prompt together with the first draft, so there is no separate prefill pass to leave out).
+with a forward hook; for hf-assisted and hf-lookup tau is generated tokens per target forward (HF verifies the
+prompt together with the first draft: there is no separate prefill pass to leave out).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class _HFPeer(Peer):
             eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None, **self.generate_kwargs(),
         )
         seconds = time.perf_counter() - t0
-        return PeerRun(out[0, len(ids):].tolist(), seconds, self.passes.n - before)
+        return PeerRun(out[0, len(ids):].tolist(), seconds, self.passes.n - before,
+                       prefill_pass=not self.generate_kwargs())
 
 
 @register("hf")

@@ -3,8 +3,8 @@
 `LlamaPromptLookupDecoding(max_ngram_size, num_pred_tokens)`, verified by the target in one batch per step).
 
 Both are fed specloom's token ids (the chat-templated prompt), decode greedily (`temp=0`: llama.cpp's greedy
-sampler), stop at specloom's EOS set or at max_tokens, and run with as many threads as torch uses (prompt and
-generation). The KV cache is cleared before every request (llama-cpp-python would otherwise reuse a cached common
+sampler), stop at specloom's EOS set or at max_tokens, run with as many threads as torch uses (prompt and
+generation) and with flash attention on, as llama.cpp's own programs run on a CPU (`-fa auto`). The KV cache is cleared before every request (llama-cpp-python would otherwise reuse a cached common
 prefix, which the other engines do not). Target passes are counted per `eval` call (one batch: the prompt, then
 one verification per step), so the lookup peer's tau follows specloom's definition (the prefill pass left out).
 """
@@ -55,8 +55,11 @@ class _LlamaPeer(Peer):
             self.drafter = _CountingDraft(LlamaPromptLookupDecoding(max_ngram_size=ctx.lookup_ngram,
                                                                     num_pred_tokens=ctx.lookup_tokens))
             kwargs["draft_model"] = self.drafter
+        # flash_attn: llama.cpp's own programs default to `-fa auto`, on for the CPU backend (llama-cpp-python
+        # defaults to off); the same attention kernel as llama.cpp-draft, so the llama.cpp rows compare like with like
         self.llm = llama_cpp.Llama(model_path=self.path, n_ctx=ctx.n_ctx, n_batch=min(512, ctx.n_ctx),
-                                   n_threads=ctx.threads, n_threads_batch=ctx.threads, verbose=False, **kwargs)
+                                   n_threads=ctx.threads, n_threads_batch=ctx.threads, flash_attn=True,
+                                   verbose=False, **kwargs)
         self.eos = ctx.eos_token_ids
         self.evals = 0
         inner = self.llm.eval
@@ -79,7 +82,8 @@ class _LlamaPeer(Peer):
     def settings(self) -> dict:
         import llama_cpp
 
-        out = {"gguf": self.path, "threads": self.ctx.threads, "llama_cpp_python": llama_cpp.__version__}
+        out = {"gguf": self.path, "threads": self.ctx.threads, "flash_attn": True,
+               "llama_cpp_python": llama_cpp.__version__}
         if self.lookup:
             out.update(num_pred_tokens=self.ctx.lookup_tokens, max_ngram_size=self.ctx.lookup_ngram)
         return out

@@ -9,7 +9,7 @@ which it parses back: the report says whether its count matches specloom's ids).
 `encoded ... in S s` + `decoded N tokens in S s` (prefill included, model loading excluded) over its own count N
 (its last step may draft past max_tokens: tokens/s counts all it made); its generated text is parsed from stdout
 (after the echoed prompt), cut to max_tokens, and compared as text with specloom plain's output. tau =
-n_predict / (n_predict - n_accept): every target pass yields its accepted draft tokens plus one.
+n_predict / (n_predict - n_accept): every decode pass yields its accepted draft tokens plus one.
 
 The program is found at $SPECLOOM_LLAMA_SPECULATIVE, else `llama-speculative-simple` on PATH, else where the build
 script puts it (~/.cache/specloom/llama.cpp/bin/).
@@ -140,7 +140,7 @@ class LlamaCppDraft(Peer):
         if len(tokens) > max_tokens:  # its last step went past max_tokens: compare the first max_tokens
             tokens = tokens[:max_tokens]
             text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-        passes = n - timing.get("n_accept", 0) + 1  # + the prefill pass
-        return PeerRun(tokens, timing["encode_seconds"] + timing["decode_seconds"], passes,
-                       timing.get("n_drafted"), timing.get("n_accept"), prompt_tokens=timing["n_input"],
-                       text=text, wall_seconds=wall, counted_tokens=n)
+        passes = n - timing.get("n_accept", 0)  # decode passes: each yields its accepted draft tokens + 1
+        return PeerRun(tokens, timing["encode_seconds"] + timing["decode_seconds"], passes, prefill_pass=False,
+                       drafted=timing.get("n_drafted"), accepted=timing.get("n_accept"),
+                       prompt_tokens=timing["n_input"], text=text, wall_seconds=wall, counted_tokens=n)
