@@ -54,7 +54,8 @@ def _kv_cache_dtype(p: argparse.ArgumentParser) -> None:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="alias (smollm2-135m, gemma3-270m), a .gguf file or a HF model directory")
+    p.add_argument("model", help="alias (smollm2-135m, gemma3-270m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b), "
+                   "a .gguf file or a HF model directory")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="weights and KV dtype (default bf16)")
     _kv_cache_dtype(p)
     p.add_argument("--speculative-config", default=None, metavar="JSON",
