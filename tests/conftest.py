@@ -164,6 +164,15 @@ def hf_greedy(hf_model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (tiny matrices run faster so, and far faster on a busy host)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # -- real checkpoints ---------------------------------------------------------------------------------------------
 
 @dataclass

@@ -17,15 +17,7 @@ from specloom.bench.peers.llamacpp_draft import generated_text, parse_timing
 from specloom.cli import main
 from specloom.errors import SpecloomError
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread is faster, and far faster on a host whose cores are busy."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matrices: one thread is faster
 
 
 ALL = ["plain", "hf", "hf-assisted", "hf-lookup", "llama.cpp", "llama.cpp-lookup", "llama.cpp-draft"]

@@ -40,13 +40,7 @@ SMOL_CONFIG = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576,
 VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small matrices: one thread is faster, and the shared CI host is not oversubscribed."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small matrices: one thread is faster
 
 
 def no_init():
