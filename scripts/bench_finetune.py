@@ -122,14 +122,15 @@ def section_adapt(args, ids) -> dict:
 
 def section_doctor(args) -> list[dict]:
     e3 = os.path.join(BUNDLED, "eagle3")
-    other = "/tmp/eagle3_other_vocab"
+    other = "/tmp/eagle3_other_vocab_151936"
     if not os.path.isdir(other):  # the bundled EAGLE-3 with its config saying another vocabulary
         import shutil
 
         shutil.copytree(e3, other)
         with open(os.path.join(other, "config.json")) as f:
             cfg = json.load(f)
-        cfg["vocab_size"] = 151936  # Qwen2.5's
+        cfg["vocab_size"] = 151936  # Qwen2.5's (the speculators format keeps it in the layer config)
+        cfg.setdefault("transformer_layer_config", {})["vocab_size"] = 151936
         with open(os.path.join(other, "config.json"), "w") as f:
             json.dump(cfg, f)
     cases = [
