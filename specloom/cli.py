@@ -65,7 +65,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="draft depth per step: auto (default: from this host's verify-cost curve and the request's "
                         "acceptance; plain decoding where the drafter cannot pay), fixed (the drafter's own depth), "
                         "off")
-    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "native", "fp32", "int8"],
+    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "invariant", "native", "fp32", "int8"],
                    help="the target's linear kernel: auto (default: measured once per host among the kernels that "
                         "keep the model's numerics); fp32 and int8 change a bf16 model's numerics (opt-in)")
     _device(p)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from test_cli import assert_clean_error, run_cli
+from test_cli import assert_clean_error, run_in_process
 
 
 def _edit(config: dict, key, value):
@@ -46,39 +46,39 @@ def base(tiny):
 
 
 @pytest.mark.parametrize("edit, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_bad_config_is_one_clear_line(base, tmp_path, edit, needle):
+def test_bad_config_is_one_clear_line(base, tmp_path, capsys, edit, needle):
     path, config = base
     bad = tmp_path / "model"
     shutil.copytree(path, bad)
     (bad / "config.json").write_text(json.dumps(edit(config)))
-    rc, _, err = run_cli("generate", str(bad), "--prompt", "hi", "--max-tokens", "2")
+    rc, _, err = run_in_process(capsys, "generate", str(bad), "--prompt", "hi", "--max-tokens", "2")
     assert_clean_error(rc, err, needle)
     assert "allocate" not in err
 
 
-def test_config_not_json(base, tmp_path):
+def test_config_not_json(base, tmp_path, capsys):
     path, _ = base
     bad = tmp_path / "model"
     shutil.copytree(path, bad)
     (bad / "config.json").write_bytes(b"\xff{" + b"[" * 100_000)
-    rc, _, err = run_cli("generate", str(bad), "--prompt", "hi")
+    rc, _, err = run_in_process(capsys, "generate", str(bad), "--prompt", "hi")
     assert_clean_error(rc, err, "config.json: unreadable")
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
-def test_device_file_as_model():
-    rc, _, err = run_cli("generate", "/dev/null", "--prompt", "hi")
+def test_device_file_as_model(capsys):
+    rc, _, err = run_in_process(capsys, "generate", "/dev/null", "--prompt", "hi")
     assert_clean_error(rc, err, "/dev/null: not a regular file or a directory")
 
 
-def test_directory_without_a_model(tmp_path):
-    rc, _, err = run_cli("generate", str(tmp_path), "--prompt", "hi")
+def test_directory_without_a_model(tmp_path, capsys):
+    rc, _, err = run_in_process(capsys, "generate", str(tmp_path), "--prompt", "hi")
     assert_clean_error(rc, err, "neither config.json nor exactly one .gguf file")
 
 
-def test_empty_gguf(tmp_path):
+def test_empty_gguf(tmp_path, capsys):
     (tmp_path / "empty.gguf").write_bytes(b"")
-    rc, _, err = run_cli("generate", str(tmp_path / "empty.gguf"), "--prompt", "hi")
+    rc, _, err = run_in_process(capsys, "generate", str(tmp_path / "empty.gguf"), "--prompt", "hi")
     assert_clean_error(rc, err, "empty.gguf")
 
 
@@ -145,7 +145,7 @@ def _method(case_id: str) -> str:
 
 @pytest.mark.parametrize("method, edit, needle", [(_method(c[0]), *c[1:]) for c in DRAFTER_CASES],
                          ids=[c[0] for c in DRAFTER_CASES])
-def test_bad_drafter_config_is_one_clear_line(tmp_path, method, edit, needle):
+def test_bad_drafter_config_is_one_clear_line(tmp_path, capsys, method, edit, needle):
     from specloom.errors import SpecloomError
     from specloom.loading import resolve
 
@@ -159,6 +159,6 @@ def test_bad_drafter_config_is_one_clear_line(tmp_path, method, edit, needle):
         config = json.load(f)
     (bad / "config.json").write_text(json.dumps(edit(config)))
     spec = json.dumps({"method": method, "model": str(bad)})
-    rc, _, err = run_cli("generate", "smollm2-135m", "--speculative-config", spec, "--prompt", "hi",
-                         "--max-tokens", "2")
+    rc, _, err = run_in_process(capsys, "generate", "smollm2-135m", "--speculative-config", spec, "--prompt",
+                                "hi", "--max-tokens", "2")
     assert_clean_error(rc, err, needle)

@@ -7,9 +7,12 @@ step) and `MULTI` rows (a verification pass over a small tree / chain), interlea
 within a time budget. The products are also compared bit for bit with `native` (`F.linear`) at both row counts.
 
 The choice (`KernelChoice`): among the kernels that keep the model's numerics (for bf16: `onednn` where oneDNN
-runs bf16, and `native`; for fp32: `native`) the fastest for one row runs plain decoding; the fastest for
-`MULTI` rows runs multi-row passes only if both gave bit-identical products on the probe, otherwise the
-single-row kernel runs every pass (plain decoding is the floor speculation falls back to, so it comes first).
+runs bf16, `invariant` where it builds, and `native`; for fp32: `native`, nothing to probe) the fastest for one
+row runs plain decoding; the fastest for `MULTI` rows runs multi-row passes only if both gave bit-identical
+products on the probe, otherwise the single-row kernel runs every pass (plain decoding is the floor speculation
+falls back to, so it comes first). Except: a batch-invariant kernel (`invariant`) that is fastest for `MULTI`
+rows runs every pass when its single-row time is within `INVARIANT_SLACK` of the fastest -- cheap verification
+for a few percent of plain speed, and plain and speculative products then agree bit for bit.
 `fp32` (for a bf16 model) and `int8` change the target's numerics: they are measured and reported, never chosen
 by default; `--linear-kernel fp32|int8` opts in, and then runs plain and speculative passes alike.
 
@@ -33,6 +36,7 @@ from ..host import host_key
 from ..models import cpu_packing
 
 MULTI = 9  # rows of the multi-row probe: an n-gram chain of 4-8, an EAGLE-2 tree of 8 nodes + root
+INVARIANT_SLACK = 1.10  # a batch-invariant kernel may be this much slower for 1 row and still run every pass
 MAX_OUT = 8192  # larger weights (a 262k-word head) are probed on their first rows, time scaled up
 
 
@@ -149,7 +153,15 @@ def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str =
     multi = min(exact, key=lambda k: ms[k][multi_n])
     dt = str(dtype).replace("torch.", "")
     notes = []
-    if multi != single:
+    if (multi != single and multi in cpu_packing.BATCH_INVARIANT
+            and ms[multi][single_n] <= INVARIANT_SLACK * ms[single][single_n]):
+        # a batch-invariant kernel that wins the multi-row passes runs every pass, if plain decoding loses little
+        notes.append(f"{single} is faster for 1 row ({ms[single][single_n]:.1f} vs {ms[multi][single_n]:.1f} ms) but "
+                     f"{multi} runs every pass: {ms[multi][multi_n]:.1f} vs {ms[single][multi_n]:.1f} ms for "
+                     f"{multi_n} rows, and batch-invariant")
+        single = multi
+        reason = f"{multi} fastest for {multi_n} rows, batch-invariant, run for every pass"
+    elif multi != single:
         if same.get(single, False) and same.get(multi, False):
             reason = (f"{single} fastest for 1 row, {multi} for {multi_n} rows; bit-identical products on the "
                       f"probe")
@@ -160,6 +172,8 @@ def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str =
             reason = f"{single} fastest for 1 row, run for every pass"
     else:
         reason = f"{single} fastest for 1 and {multi_n} rows" if len(exact) > 1 else f"{single}: the only exact kernel"
+        if single in cpu_packing.BATCH_INVARIANT:
+            reason += ", batch-invariant"
     for k in ms:
         if k in exact:
             continue

@@ -5,6 +5,11 @@ Kernels (names used by `--linear-kernel`, the probe and reports):
   bf16 (AVX512-BF16 / AMX). Measured here ~35 % faster than a plain `[out, in]` bf16 tensor for one row (16.4 ms
   vs 25.4 ms for SmolLM2-135M's matmuls), and a pass over 9 rows costs about as much as one. Bit-identical to
   `F.linear` per product on every shape checked (the probe checks again on each host).
+* `invariant` -- a batch-invariant AVX2/FMA kernel built on first use (`models/invariant_linear.py`): each weight
+  row is read once for all rows of a pass, and every product has the same bits whatever the row count, so it runs
+  plain and speculative passes alike and speculative output is plain output bit for bit. bf16 or fp32 weights,
+  fp32 accumulation (the numerics class of `onednn`). Measured on an AVX2-only host: a bf16 pass over 8 rows
+  ~2x one row, where `native` takes ~7x (BENCHMARKS.md).
 * `native` -- `F.linear` on the weight as loaded. On an AVX2-only CPU this is the only bf16 kernel: there, a
   bf16 product over n rows costs about n single-row products.
 * `fp32` -- an fp32 copy of the weight (`Fp32Linear`; output cast back to the activations' dtype). Memory-bound,
@@ -28,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("onednn", "native", "fp32", "int8")
+KERNELS = ("onednn", "invariant", "native", "fp32", "int8")
 NUMERICS_CHANGING = ("fp32", "int8")  # for a bf16/fp16 model (fp32 on an fp32 model is `native`)
 
 
@@ -59,11 +64,18 @@ def kernel_available(name: str, dtype: torch.dtype, device: torch.device | str) 
         return False
     if name == "onednn":
         return packing_supported(dtype, dev)
+    if name == "invariant":
+        from . import invariant_linear
+
+        return dtype in (torch.bfloat16, torch.float32) and invariant_linear.available()
     if name == "fp32":
         return dtype in (torch.bfloat16, torch.float16)  # on fp32 weights it would be `native`
     if name == "int8":
         return int8_supported() and dtype in (torch.bfloat16, torch.float16, torch.float32)
     return False
+
+
+BATCH_INVARIANT = ("invariant",)  # a product's bits do not depend on how many rows share the pass
 
 
 def changes_numerics(name: str, dtype: torch.dtype) -> bool:
@@ -145,6 +157,10 @@ def build_kernel(name: str, linear: nn.Linear) -> nn.Module:
     """The module that runs `linear` with kernel `name` (`native`: the linear itself)."""
     if name == "native":
         return linear
+    if name == "invariant":
+        from .invariant_linear import InvariantLinear
+
+        return InvariantLinear(linear)
     cls = {"onednn": PackedLinear, "fp32": Fp32Linear, "int8": Int8Linear}.get(name)
     if cls is None:
         raise ValueError(f"unknown linear kernel {name!r} ({', '.join(KERNELS)})")
