@@ -99,6 +99,31 @@ static inline void cvt_row_bf16(const uint16_t *src, float *dst, int64_t K8) {
 
 static inline float bf16f(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 
+/* One row of x against NB bf16 weight rows read in place (plain decoding: no buffer round trip). The same
+   operations per product as block() -- the widening is exact -- so the bits equal block()'s. */
+static void row_bf16(const float *xm, const uint16_t *wb, const float *tailw, const float *bias, float *y,
+                     int64_t K, int64_t n0) {
+    int64_t K8 = K & ~7LL;
+    const uint16_t *w0 = wb + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t k = 0; k < K8; k += 8) {
+        __m256 xv = _mm256_loadu_ps(xm + k);
+#define WIDEN(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((p) + k))), 16))
+        a0 = _mm256_fmadd_ps(WIDEN(w0), xv, a0);
+        a1 = _mm256_fmadd_ps(WIDEN(w1), xv, a1);
+        a2 = _mm256_fmadd_ps(WIDEN(w2), xv, a2);
+        a3 = _mm256_fmadd_ps(WIDEN(w3), xv, a3);
+#undef WIDEN
+    }
+    __m256 accs[4] = {a0, a1, a2, a3};
+    for (int r = 0; r < NB; r++) {
+        float s = hsum8(accs[r]);
+        for (int64_t k = K8; k < K; k++) s += tailw[r * 8 + (k - K8)] * xm[k];
+        if (bias) s += bias[n0 + r];
+        y[n0 + r] = s;
+    }
+}
+
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias), w bf16 (as uint16) or fp32; fp32 accumulation, fp32 out.
    Returns 0, or -1 when a thread could not allocate its buffer (its rows of y are then not written). */
 int invariant_linear(const float *x, const void *w, int w_bf16, const float *bias, float *y,
@@ -120,6 +145,13 @@ int invariant_linear(const float *x, const void *w, int w_bf16, const float *bia
             int64_t n0 = b * NB;
             int nb = (int)((N - n0) < NB ? (N - n0) : NB);
             const float *blk;
+            if (w_bf16 && M == 1 && nb == NB) {
+                const uint16_t *wb = (const uint16_t *)w;
+                for (int r = 0; r < nb; r++)
+                    for (int64_t k = K8; k < K; k++) tailw[r * 8 + (k - K8)] = bf16f(wb[(n0 + r) * K + k]);
+                row_bf16(x, wb, tailw, bias, y, K, n0);
+                continue;
+            }
             if (w_bf16) {
                 const uint16_t *wb = (const uint16_t *)w;
                 for (int r = 0; r < nb; r++) cvt_row_bf16(wb + (n0 + r) * K, wbuf + r * K8, K8);
