@@ -27,6 +27,16 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The end of every product, one copy for every path: the fixed horizontal sum, the tail k >= K8 in order (tw: this
+   weight row's tail), the bias. */
+static inline float finish(__m256 acc, const float *tw, const float *xm, int64_t K8, int64_t K, const float *bias,
+                           int64_t n) {
+    float s = hsum8(acc);
+    for (int64_t k = K8; k < K; k++) s += tw[k - K8] * xm[k];
+    if (bias) s += bias[n];
+    return s;
+}
+
 /* One block of up to NB weight rows (fp32, in wbuf, each of K8 = K rounded down to 8) against every row of x.
    Per (m, n): lane j sums k = j, j+8, ... in order, then a fixed horizontal sum, then the scalar tail in order.
    Nothing depends on M or on the block: every product is the same whatever rows it is computed with. */
@@ -50,10 +60,8 @@ static void block(const float *x, const float *wbuf, int nb, const float *tailw,
             }
             __m256 A[4] = {a0, a1, a2, a3}, B[4] = {b0, b1, b2, b3};
             for (int r = 0; r < NB; r++) {
-                float s = hsum8(A[r]), t = hsum8(B[r]);
-                for (int64_t k = K8; k < K; k++) { s += tailw[r * 8 + (k - K8)] * xa[k]; t += tailw[r * 8 + (k - K8)] * xb[k]; }
-                if (bias) { s += bias[n0 + r]; t += bias[n0 + r]; }
-                y[m0 * N + n0 + r] = s; y[(m0 + 1) * N + n0 + r] = t;
+                y[m0 * N + n0 + r] = finish(A[r], tailw + r * 8, xa, K8, K, bias, n0 + r);
+                y[(m0 + 1) * N + n0 + r] = finish(B[r], tailw + r * 8, xb, K8, K, bias, n0 + r);
             }
         }
     }
@@ -80,12 +88,7 @@ static void block(const float *x, const float *wbuf, int nb, const float *tailw,
             }
         }
         __m256 accs[4] = {a0, a1, a2, a3};
-        for (int r = 0; r < nb; r++) {
-            float s = hsum8(accs[r]);
-            for (int64_t k = K8; k < K; k++) s += tailw[r * 8 + (k - K8)] * xm[k];
-            if (bias) s += bias[n0 + r];
-            y[m * N + n0 + r] = s;
-        }
+        for (int r = 0; r < nb; r++) y[m * N + n0 + r] = finish(accs[r], tailw + r * 8, xm, K8, K, bias, n0 + r);
     }
 }
 
@@ -116,12 +119,7 @@ static void row_bf16(const float *xm, const uint16_t *wb, const float *tailw, co
 #undef WIDEN
     }
     __m256 accs[4] = {a0, a1, a2, a3};
-    for (int r = 0; r < NB; r++) {
-        float s = hsum8(accs[r]);
-        for (int64_t k = K8; k < K; k++) s += tailw[r * 8 + (k - K8)] * xm[k];
-        if (bias) s += bias[n0 + r];
-        y[n0 + r] = s;
-    }
+    for (int r = 0; r < NB; r++) y[n0 + r] = finish(accs[r], tailw + r * 8, xm, K8, K, bias, n0 + r);
 }
 
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias), w bf16 (as uint16) or fp32; fp32 accumulation, fp32 out.
@@ -145,26 +143,32 @@ int invariant_linear(const float *x, const void *w, int w_bf16, const float *bia
             int64_t n0 = b * NB;
             int nb = (int)((N - n0) < NB ? (N - n0) : NB);
             const float *blk;
-            if (w_bf16 && M == 1 && nb == NB) {
-                const uint16_t *wb = (const uint16_t *)w;
-                for (int r = 0; r < nb; r++)
-                    for (int64_t k = K8; k < K; k++) tailw[r * 8 + (k - K8)] = bf16f(wb[(n0 + r) * K + k]);
-                row_bf16(x, wb, tailw, bias, y, K, n0);
-                continue;
-            }
             if (w_bf16) {
                 const uint16_t *wb = (const uint16_t *)w;
-                for (int r = 0; r < nb; r++) cvt_row_bf16(wb + (n0 + r) * K, wbuf + r * K8, K8);
-                blk = wbuf;
                 for (int r = 0; r < nb; r++)
                     for (int64_t k = K8; k < K; k++) tailw[r * 8 + (k - K8)] = bf16f(wb[(n0 + r) * K + k]);
+                if (M == 1 && nb == NB) {
+                    row_bf16(x, wb, tailw, bias, y, K, n0);
+                    continue;
+                }
+                for (int r = 0; r < nb; r++) cvt_row_bf16(wb + (n0 + r) * K, wbuf + r * K8, K8);
+                blk = wbuf;
             } else {
                 const float *wf = (const float *)w;
                 if (K8 == K) blk = wf + n0 * K;  /* rows are contiguous with stride K == K8 */
                 else {
                     /* fp32 with a tail: pack the block (rare: K not a multiple of 8) */
                     static __thread float *pbuf = NULL; static __thread int64_t pcap = 0;
-                    if (pcap < NB * K8) { free(pbuf); pbuf = (float *)malloc(NB * K8 * 4 + 32); pcap = NB * K8; }
+                    if (pcap < NB * K8) {
+                        free(pbuf);
+                        pbuf = (float *)malloc(NB * K8 * 4 + 32);
+                        pcap = pbuf ? NB * K8 : 0;
+                    }
+                    if (!pbuf) {
+#pragma omp atomic write
+                        failed = 1;
+                        continue;
+                    }
                     for (int r = 0; r < nb; r++) memcpy(pbuf + r * K8, wf + (n0 + r) * K, K8 * 4);
                     blk = pbuf;
                 }
