@@ -247,6 +247,47 @@ def test_unlucky_first_steps_do_not_stop_a_drafter_that_pays():
     assert not row.drafting
 
 
+def test_a_drafters_catch_up_is_not_priced_as_drafting():
+    """A draft model catches up lazily: its first drafted step feeds the whole prompt (measured on the Qwen pair:
+    2.0 target steps per depth where steady drafting costs 0.48), and so does its first step after a pause. Only
+    steps without such a backlog price drafting; with them counted, the median of the first few steps said 1.25
+    per depth and the policy turned a drafter that pays 1.1x off for every later request."""
+    from specloom.step import StepReport
+    from specloom.tree import DraftTree
+
+    # the Qwen 1.5B invariant-kernel curve; drafting 0.5 of a decode step per depth when caught up
+    qwen = {1: 1.0, 2: 1.25, 3: 1.47, 5: 1.81, 9: 2.36, 17: 3.65}
+    pol = DepthPolicy("auto", 3, curve(qwen), prior_alpha=0.5)
+    state = {"last": 0}
+
+    def report(k, i):
+        tree = DraftTree(list(range(1, k + 2)), list(range(-1, k)))
+        backlog = k > 0 and state["last"] == 0  # the first drafted step, or the first after a pause
+        state["last"] = k
+        per_depth = 0.02 * (2.5 if backlog else 0.5)
+        return StepReport(1, len(tree), pol.cost(1, len(tree)), per_depth * k, [tree], [k])
+
+    for request, steps in enumerate((2, 20, 20)):  # a short warm-up request (as `--compare-plain` runs), then two
+        state["last"] = 0
+        ks, row = _run_policy(pol, report, steps, 3)
+        assert row.drafting and all(k > 0 for k in ks), (request, ks)
+    assert pol.draft_cost == pytest.approx(0.5, rel=0.05)
+    # a paused row's first step back carries the backlog too: not priced
+    before = pol.draft_cost
+    row = _Row(pol)
+    row.acc.caught_up = False
+    state["last"] = 0
+
+    class Stepper:
+        drafter = None
+
+        def step(self, rows):
+            return report(rows[0].ctx.k, 0)
+
+    pol.run_step(Stepper(), [row], [3])
+    assert pol.draft_cost == before
+
+
 def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     """Where no depth pays (verification ~n steps), an n-gram-like drafter is probed at depth 1 after 8 idle
     steps, again at every step while the probe finds no draft (that cost nothing), then after 16; a drafter that

@@ -387,6 +387,7 @@ class DepthPolicy:
     def new_acceptance(self) -> Acceptance:
         acc = Acceptance(prior=self.global_alpha.alpha, weight=2.0)
         acc.idle, acc.period = 0, self.explore_base
+        acc.caught_up = False  # drafted at its previous step: its drafter has no backlog to catch up on
         return acc
 
     def admit(self, row, drafter) -> None:
@@ -491,6 +492,15 @@ class DepthPolicy:
             # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
             shrink = self.mode == "load_aware" and self.full_nodes and 0 < k < full  # not for the budget's own cut
             r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink and i not in free else None
+        # a step in which some row's drafter first catches up (over the prompt at the row's first drafted step,
+        # over the positions it sat idle after a pause) prices that catch-up as drafting: a 0.5B draft model's
+        # prompt prefill read as 2.0 target steps per depth where steady drafting costs 0.48, and one such step
+        # in the median of a few turned a paying drafter off. Only steps without a backlog measure the cost.
+        # (a free draft runs no drafter pass: its row's backlog stays for the next drafted step)
+        drafted = [k > 0 and i not in free for i, k in enumerate(ks)]
+        backlog = any(d and not getattr(r.acc, "caught_up", True) for r, d in zip(rows, drafted))
+        for r, d in zip(rows, drafted):
+            r.acc.caught_up = d
         rep = stepper.step(rows)
         n = len(rows)
         unit = self.t1
@@ -506,7 +516,7 @@ class DepthPolicy:
             if i in free:  # the row's acceptance only: a free draft says nothing of drafting cost or tree size
                 r.acc.update(tree.max_depth, acc)
                 continue
-            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, unit)
+            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, None if backlog else unit)
             if i in probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
