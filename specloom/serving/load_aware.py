@@ -498,7 +498,7 @@ class DepthPolicy:
         # in the median of a few turned a paying drafter off. Only steps without a backlog measure the cost.
         # (a free draft runs no drafter pass: its row's backlog stays for the next drafted step)
         drafted = [k > 0 and i not in free for i, k in enumerate(ks)]
-        backlog = any(d and not getattr(r.acc, "caught_up", True) for r, d in zip(rows, drafted))
+        backlog = any(d and not r.acc.caught_up for r, d in zip(rows, drafted))
         for r, d in zip(rows, drafted):
             r.acc.caught_up = d
         rep = stepper.step(rows)
