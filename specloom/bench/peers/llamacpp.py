@@ -55,6 +55,9 @@ class _LlamaPeer(Peer):
             self.drafter = _CountingDraft(LlamaPromptLookupDecoding(max_ngram_size=ctx.lookup_ngram,
                                                                     num_pred_tokens=ctx.lookup_tokens))
             kwargs["draft_model"] = self.drafter
+            # with a draft model llama-cpp-python keeps every position's logits, but sizes that buffer by the
+            # `logits_all` argument (n_batch rows when False): a prompt longer than n_batch then fails in `eval`
+            kwargs["logits_all"] = True
         # flash_attn: llama.cpp's own programs default to `-fa auto`, on for the CPU backend (llama-cpp-python
         # defaults to off); the same attention kernel as llama.cpp-draft, so the llama.cpp rows compare like with like
         self.llm = llama_cpp.Llama(model_path=self.path, n_ctx=ctx.n_ctx, n_batch=min(512, ctx.n_ctx),
