@@ -299,6 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("reports", nargs="+", help="JSON reports written by `specloom bench --json`")
     pl.add_argument("--out", required=True, help="PNG file to write")
 
+    tm = sub.add_parser("token-map", help="rank a tokenizer's tokens by frequency over prompts: the ranking a "
+                        "draft model's reduced vocabulary (\"draft_vocab\": N) takes its N tokens from")
+    tm.add_argument("model", help="the target (alias, .gguf or HF directory): its tokenizer")
+    tm.add_argument("--prompts", nargs="+", required=True, help="JSONL files or directories of them (`turns` or "
+                    "`prompt`, as `specloom data` reads); use training prompts, not the benchmark's")
+    tm.add_argument("--out", required=True, help="JSON file to write")
+
     rp = sub.add_parser("report", help="the peer report: one table per target (specloom plain, specloom + drafter, "
                         "every peer) and a bar chart, from `specloom bench --baseline plain,... --json` runs")
     rp.add_argument("out", help="Markdown file to write (the chart goes beside it as .png)")
@@ -590,6 +597,32 @@ def _doctor(args) -> int:
     return 0 if report.verdict == "pays" else 1
 
 
+def _token_map(args) -> int:
+    from .atomic import write_json
+    from .drafters.token_map import build_token_map
+    from .loading import load_config, load_tokenizer, resolve
+    from .training.selfdistill import read_prompts
+
+    texts = [t for _, t in read_prompts(args.prompts)]
+    tok = load_tokenizer(args.model)
+    vocab_size = load_config(resolve(args.model))[0].vocab_size  # the model's (its embedding may be padded)
+    m = build_token_map(tok, texts, vocab_size, sorted(set(args.prompts)),
+                        " ".join(["specloom", *sys.argv[1:]]))
+    write_json(args.out, m)
+    c = _coverage(m["counts"])
+    print(f"{args.out}: {len(m['ranked'])} distinct tokens of {m['tokens_counted']} counted over {len(texts)} "
+          f"prompts; the top 16384 / 32768 / 65536 cover " + " / ".join(f"{c(n):.1%}" for n in (16384, 32768, 65536)))
+    return 0
+
+
+def _coverage(counts: list[int]):
+    total = max(1, sum(counts))
+    pref = [0]
+    for x in counts:
+        pref.append(pref[-1] + x)
+    return lambda n: pref[min(n, len(counts))] / total
+
+
 def _plot(args) -> int:
     from .bench.plots import plot_acceptance
 
@@ -628,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         return {"generate": _generate, "bench": _bench, "plot": _plot, "bench-serve": _bench_serve,
                 "bench-soak": _bench_soak, "data": _data, "train": _train,
                 "serve": _serve, "quantize": _quantize, "doctor": _doctor, "export": _export,
-                "report": _report}[args.command](args)
+                "report": _report, "token-map": _token_map}[args.command](args)
     except SpecloomError as e:
         print(f"specloom: error: {e}", file=sys.stderr)
         return 2

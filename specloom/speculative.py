@@ -4,7 +4,8 @@ The common keys (vLLM's names) are checked here: `method`, `model`, `num_specula
 `disable_by_batch_size`, `draft_tensor_parallel_size` (must be 1 here), `kv_cache_dtype` (the type of the drafter's own
 KV stores, kv_quant.py; only for kinds that keep one: `Drafter.keeps_kv`). Every other key belongs to a drafter kind,
 which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
-`num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`),
+`num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`), `draft_vocab` /
+`token_map` (draft_model: a frequency-ranked reduced draft vocabulary),
 `prompt_lookup_min` / `prompt_lookup_max` (ngram), `suffix_decoding_*` (suffix), `confidence_threshold` (dflash,
 dspark). A key no kind knows is refused with the list of known ones; a key of another kind is refused naming the
 method's own keys. Nothing is silently ignored.
@@ -52,6 +53,8 @@ class SpeculativeConfig:
     suffix_decoding: bool = False  # suffix decoding in front of the method's drafter (drafters/suffix/hybrid.py)
     suffix_decoding_min_score: float | None = None
     kv_cache_dtype: str | None = None  # the drafter's own KV type (kv_quant.KV_TYPES name; None: its default)
+    draft_vocab: int | None = None  # draft_model: score only this many most frequent tokens (drafters/token_map.py)
+    token_map: str | None = None  # draft_model: the token-map file ranking them (None: the bundled one)
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -181,6 +181,15 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
     return config, raw
 
 
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of the model `name` (alias, .gguf or HF directory) without its weights."""
+    source = resolve(name)
+    config, _ = load_config(source)
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path, config.eos_token_ids)
+    return Tokenizer.from_dir(source.path, config.eos_token_ids)
+
+
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
     device: str | torch.device | None = "cpu", kernel: str = "auto", weights_resident: str | None = None,

@@ -14,7 +14,8 @@
 * `capture` uses the **HF `hidden_states` index** convention: id 0 is the embedding output (after Gemma's
   scaling), id k (1 <= k < L) is the output of decoder layer k-1 (= the input of layer k), and id L is the final
   hidden state *after* the final norm (HF's `hidden_states[-1]`). Negative ids count from L + 1 (so -1 = L).
-* `num_logits` computes logits for the last n positions only (prefill needs 1); None = all T.
+* `num_logits` computes logits for the last n positions only (prefill needs 1); None = all T; 0 = none (logits
+  None: a caller that reads captured hidden states and applies a head itself).
 
 Families subclass `DecoderLM`, set `block_cls`, and register with `@register_family`.
 """
@@ -43,7 +44,7 @@ def register_family(name: str):
 
 
 class ForwardOutput(NamedTuple):
-    logits: torch.Tensor  # (B, T', V) fp32
+    logits: torch.Tensor | None  # (B, T', V) fp32 (None with num_logits=0)
     hidden: dict[int, torch.Tensor]  # capture id -> (B, T, H)
 
 
@@ -130,11 +131,11 @@ class DecoderLM(nn.Module):
             if i + 1 in want and i + 1 < L:
                 hidden[i + 1] = x
         if num_logits is not None and L not in want:
-            x = x[:, -num_logits:]  # skip the norm and head on positions nobody reads
+            x = x[:, x.shape[1] - num_logits:]  # skip the norm and head on positions nobody reads
         x = self.norm(x)
         if L in want:
             hidden[L] = x
         if num_logits is not None:
-            x = x[:, -num_logits:]
+            x = x[:, x.shape[1] - num_logits:]
         hidden = {c: hidden[c % (L + 1)] for c in capture} if capture else hidden
-        return ForwardOutput(self.logits(x), hidden)
+        return ForwardOutput(self.logits(x) if num_logits != 0 else None, hidden)

@@ -33,7 +33,7 @@ def answer_loss(model, batch) -> tuple[torch.Tensor, dict]:
     pos = torch.arange(T, device=dev)[None].expand(B, T)
     attn = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
     attn |= torch.eye(T, dtype=torch.bool, device=dev)[None]
-    final = model(tokens, pos, kv, attn_mask=attn, capture=(L,), num_logits=1).hidden[L]
+    final = model(tokens, pos, kv, attn_mask=attn, capture=(L,), num_logits=0).hidden[L]
     rows = mask[:, 1:] & valid[:, 1:]  # row t predicts token t + 1
     h = final[:, :-1][rows]
     labels = tokens[:, 1:][rows]

@@ -10,6 +10,11 @@ cumulative log-probability (beam-style, one draft pass of w rows per depth, the 
 that hides sibling branches). The candidates are chosen deterministically, so the tree carries no q: the
 verifier treats them as one-hot drafts, which is exact (sampling y ~ p and checking the candidates in order).
 
+With `"draft_vocab": N` (FR-Spec; `"token_map"` names the frequency ranking, else the one bundled for the
+tokenizer: drafters/token_map.py) the draft model's head scores only the N most frequent tokens: a head of N rows,
+drafts are argmaxes or samples of q renormalised over those tokens (zero elsewhere, the q the verifier uses), so
+the output is unchanged and only the drafting pass gets cheaper.
+
 State: the draft KV holds a prefix of the sequence. `propose` feeds what it has not seen (at least the root),
 then its own drafts; `on_verified` truncates its KV to what the target accepted (a tree's nodes are dropped and
 the accepted tokens re-fed next step, one pass of a few rows).
@@ -21,8 +26,9 @@ import torch
 
 from ...errors import DrafterMismatch, SpecloomError
 from ...tree import DraftTree
-from ..base import DraftContext, Drafter, TREE_KEYS, register
+from ..base import DraftContext, Drafter, TREE_KEYS, int_key, register
 from ..rows import Span, chains, draw, fitting_groups, own_store
+from ..token_map import reduced_vocabulary
 
 DEFAULT_K = 4
 
@@ -33,25 +39,66 @@ def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
         raise SpecloomError(f"draft model {name!r} uses another tokenizer than the target (token ids differ)")
 
 
-@register("draft_model", {"tree_width": TREE_KEYS["tree_width"]}, ("specloom.drafters.draft_model.trainer",))
+def _path_key(name, v):
+    if not isinstance(v, str) or not v:
+        raise SpecloomError(f"{name} must be a path to a token-map JSON file, got {v!r}")
+    return v
+
+
+@register("draft_model", {"tree_width": TREE_KEYS["tree_width"], "draft_vocab": int_key(1, 1 << 22),
+                          "token_map": _path_key}, ("specloom.drafters.draft_model.trainer",))
 class DraftModelDrafter(Drafter):
     keeps_kv = True
     # Idle steps are free: nothing happens at depth 0 (`seen` stays), the next `propose` feeds the draft model
     # every token it has not seen in one ragged pass.
     idle_free = True
 
-    def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1):
+    def __init__(self, model, k: int = DEFAULT_K, tree_width: int = 1, vocab: torch.Tensor | None = None):
         if tree_width < 1:
             raise SpecloomError(f"tree_width must be >= 1, got {tree_width}")
         self.model = model
         self.k = k
         self.width = tree_width
+        self.vocab = self.head = None  # the reduced draft vocabulary (sorted target ids) and its head
+        if vocab is not None:
+            from ...loading.formats import apply_kernels
+
+            lm = model.lm_head
+            if not isinstance(getattr(lm, "weight", None), torch.Tensor) or lm.weight.dim() != 2:
+                raise SpecloomError("draft_vocab needs the draft model's LM head as a dense weight; this one "
+                                    f"runs {type(lm).__name__} without one")
+            w = lm.weight.detach()[vocab.to(lm.weight.device)]
+            head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+            head.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+            holder = torch.nn.Module()
+            holder.head = head
+            apply_kernels(holder, choice=getattr(model, "kernel_choice", None))  # the kernel its linears run
+            self.vocab, self.head = vocab.to(w.device), holder.head
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden (..., H) -> fp32 logits over the draft vocabulary (all of it, or the reduced one)."""
+        if self.head is None:
+            return self.model.logits(h)
+        out = self.head(h).float()
+        cap = self.model.config.final_logit_softcapping
+        return torch.tanh(out / cap) * cap if cap else out
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.vocab is None else self.vocab[ids]
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits -> target-vocabulary logits (-inf outside the reduced vocabulary)."""
+        if self.vocab is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.model.config.vocab_size), float("-inf"))
+        out[..., self.vocab] = logits
+        return out
 
     def memory(self) -> dict:
         from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        return {"weights": module_bytes(self.model),
+        return {"weights": module_bytes(self.model, *([self.head] if self.head is not None else [])),
                 "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim,
                                                     self.model.kv_dtype(self.kv_cache_dtype))}
 
@@ -80,7 +127,13 @@ class DraftModelDrafter(Drafter):
         else:
             model, draft_tok = load_target(spec.model, target.dtype, progress=False, device=target.device)
         check_same_token_ids(tokenizer, draft_tok, spec.model)
-        return cls(model, spec.num_speculative_tokens or DEFAULT_K, spec.tree_width or 1)
+        vocab = None
+        if spec.draft_vocab:
+            vocab, _ = reduced_vocabulary(spec.draft_vocab, spec.token_map, tokenizer, target.config.vocab_size,
+                                          tuple(getattr(tokenizer, "eos_token_ids", ()) or ()))
+        elif spec.token_map:
+            raise SpecloomError('"token_map" ranks the tokens for "draft_vocab": give "draft_vocab": N as well')
+        return cls(model, spec.num_speculative_tokens or DEFAULT_K, spec.tree_width or 1, vocab)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -107,12 +160,12 @@ class DraftModelDrafter(Drafter):
         pos = torch.tensor([p + [p[-1]] * (M - len(p)) for p in positions], device=dev)
         kvp = span.begin(store, m)
         L = self.model.config.num_layers
-        if last_only:  # the final hidden state of every position, logits at each row's last one only
-            hid = self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask, capture=(L,), num_logits=1)
-            h = span.pick(hid.hidden[L])
-            out = self.model.logits(h[torch.arange(len(m), device=dev), torch.tensor(m, device=dev) - 1])
-        else:
-            out = span.pick(self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask).logits)
+        # the final hidden state of every position (no head in the pass), then the head where it is read
+        h = span.pick(self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask, capture=(L,),
+                                 num_logits=0).hidden[L])
+        if last_only:  # logits at each row's last position only
+            h = h[torch.arange(len(m), device=dev), torch.tensor(m, device=dev) - 1]
+        out = self._logits(h)
         span.commit(store)
         return out
 
@@ -125,7 +178,8 @@ class DraftModelDrafter(Drafter):
             store.truncate(have, row=c.row)
             feed.append(c.tokens[have:])
             pos.append(list(range(have, len(c.tokens))))
-        logits = torch.empty(len(ctxs), self.model.config.vocab_size, device=self.model.device)
+        logits = torch.empty(len(ctxs), self.model.config.vocab_size if self.vocab is None else len(self.vocab),
+                             device=self.model.device)
         for g in fitting_groups(ctxs, [len(f) for f in feed], store):  # a just-prefilled row feeds its prompt
             sub = [ctxs[i] for i in g]
             logits[g] = self._feed(store, Span(sub), sub, [feed[i] for i in g], [pos[i] for i in g])
@@ -135,7 +189,7 @@ class DraftModelDrafter(Drafter):
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         for i in range(K):
-            draw(ctxs, logits, [i < c.k for c in ctxs], drafts, qs)
+            draw(ctxs, logits, [i < c.k for c in ctxs], drafts, qs, self._to_target, self._full_vocab)
             if i + 1 < K:
                 logits = self._feed(store, span, ctxs, [[d[-1]] for d in drafts],
                                     [[len(c.tokens) + i] for c in ctxs])
@@ -160,7 +214,7 @@ class DraftModelDrafter(Drafter):
             sel = cand.topk(w, -1).indices  # (B, w), best first
             par = sel // w  # frontier index of each new node's parent
             first = 0 if depth == 1 else 1 + (depth - 2) * w  # node id of frontier index 0
-            node_tok.append(top.indices.reshape(B, Fn * w).gather(1, sel))
+            node_tok.append(self._to_target(top.indices.reshape(B, Fn * w).gather(1, sel)))
             node_par.append(par if depth == 1 else first + par)
             if depth == 1:
                 node_par[-1] = torch.zeros_like(par)

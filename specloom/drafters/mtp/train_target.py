@@ -144,7 +144,7 @@ def joint_loss(model, mtp, batch, fraction: float, gen: torch.Generator):
     pos = torch.arange(T, device=dev)[None].expand(B, T)
     mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None] & valid[:, None, :]
     mask |= torch.eye(T, dtype=torch.bool, device=dev)[None]
-    final = model(tokens, pos, kv, attn_mask=mask, capture=(L,), num_logits=1).hidden[L]
+    final = model(tokens, pos, kv, attn_mask=mask, capture=(L,), num_logits=0).hidden[L]
     metrics = {}
 
     def ce(logits_fn, h, shift: int, name: str):

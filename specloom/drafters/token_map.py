@@ -1,0 +1,111 @@
+"""A reduced draft vocabulary for a drafter that scores the whole vocabulary (FR-Spec's frequency-ranked drafting).
+
+A draft model's LM head is a large share of its pass (Qwen2.5-Coder-0.5B: 151,936 x 896, ~27 % of its weights).
+With `"draft_vocab": N` the draft model scores only the N most frequent tokens of a frequency ranking: its head
+shrinks to N rows, its drafts are argmaxes (greedy) or samples of q renormalised over those N tokens (q is zero
+elsewhere, and that is the q the verifier divides by), so the output is still the target's own; only tokens
+outside the N cannot be drafted. The end-of-sequence tokens are always kept.
+
+The ranking is a token-map file (`specloom token-map MODEL --prompts FILES --out F.json`: the target tokenizer's
+token counts over a corpus, most frequent first), named by `"token_map": path`, or else the one bundled for this
+tokenizer (`specloom/bundled/token_maps/<vocabulary hash>.json`, built from the training prompts). A map made
+for another tokenizer is refused.
+
+    {"format": "specloom-token-map/1", "vocab_size": V, "vocab_sha": "...", "ranked": [ids, most frequent first],
+     "counts": [their counts], "tokens_counted": n, "sources": [...], "command": "..."}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import SpecloomError
+
+FORMAT = "specloom-token-map/1"
+BUNDLED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bundled", "token_maps")
+
+
+def count_tokens(tokenizer, texts, vocab_size: int) -> torch.Tensor:
+    """Counts (V,) of the tokenizer's ids over `texts` (no special tokens added)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    batch: list[str] = []
+
+    def flush():
+        for ids in tokenizer.hf(batch, add_special_tokens=False)["input_ids"]:
+            if ids:
+                counts.add_(torch.bincount(torch.tensor(ids), minlength=vocab_size)[:vocab_size])
+        batch.clear()
+
+    for t in texts:
+        batch.append(t)
+        if len(batch) >= 256:
+            flush()
+    if batch:
+        flush()
+    return counts
+
+
+def build_token_map(tokenizer, texts, vocab_size: int, sources: list[str], command: str = "") -> dict:
+    from ..fingerprint import vocab_sha
+
+    counts = count_tokens(tokenizer, texts, vocab_size)
+    seen = int((counts > 0).sum())
+    order = counts.argsort(descending=True, stable=True)[:seen]
+    return {"format": FORMAT, "vocab_size": vocab_size, "vocab_sha": vocab_sha(tokenizer),
+            "ranked": order.tolist(), "counts": counts[order].tolist(), "tokens_counted": int(counts.sum()),
+            "sources": sources, "command": command}
+
+
+def bundled_path(tokenizer) -> str | None:
+    from ..fingerprint import vocab_sha
+
+    sha = vocab_sha(tokenizer)
+    path = os.path.join(BUNDLED, f"{sha}.json") if sha else None
+    return path if path and os.path.isfile(path) else None
+
+
+def read_token_map(path: str, tokenizer, vocab_size: int) -> dict:
+    """The checked map at `path`: ours, for this tokenizer, ids in range."""
+    from ..fingerprint import vocab_sha
+
+    if not os.path.isfile(path):
+        raise SpecloomError(f"token_map {path!r}: no such file")
+    try:
+        with open(path) as f:
+            m = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SpecloomError(f"token_map {path!r} is not a readable JSON token map ({e})") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("ranked"), list):
+        raise SpecloomError(f"token_map {path!r} is not a specloom token map (format {FORMAT!r}; make one with "
+                            "`specloom token-map MODEL --prompts FILES --out F.json`)")
+    if m.get("vocab_size") != vocab_size or (m.get("vocab_sha") and tokenizer is not None
+                                            and m["vocab_sha"] != vocab_sha(tokenizer)):
+        raise SpecloomError(f"token_map {path!r} was made for another tokenizer (vocabulary {m.get('vocab_size')}, "
+                            f"hash {m.get('vocab_sha')}; this model: {vocab_size}, {vocab_sha(tokenizer)})")
+    ranked = m["ranked"]
+    if not all(isinstance(i, int) and 0 <= i < vocab_size for i in ranked) or len(set(ranked)) != len(ranked):
+        raise SpecloomError(f"token_map {path!r}: 'ranked' must list distinct token ids in [0, {vocab_size})")
+    return m
+
+
+def reduced_vocabulary(size: int, token_map: str | None, tokenizer, vocab_size: int,
+                       keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, str]:
+    """The sorted ids (size,) of the `size` most frequent tokens of the map (`token_map`, else the bundled map for
+    this tokenizer), `keep` (the EOS ids) always among them; ids the map never saw fill up in id order. Returns
+    (ids, path of the map)."""
+    if size >= vocab_size:
+        raise SpecloomError(f"draft_vocab {size} is not smaller than the vocabulary ({vocab_size} tokens): drop it")
+    path = token_map or bundled_path(tokenizer)
+    if path is None:
+        raise SpecloomError("draft_vocab needs a token frequency ranking for this tokenizer and none is bundled: "
+                            "make one with `specloom token-map MODEL --prompts FILES --out F.json` and pass "
+                            "\"token_map\": \"F.json\"")
+    ranked = read_token_map(path, tokenizer, vocab_size)["ranked"]
+    chosen = list(dict.fromkeys([k for k in keep if 0 <= k < vocab_size] + ranked))[:size]
+    if len(chosen) < size:
+        have = set(chosen)
+        chosen += [i for i in range(vocab_size) if i not in have][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long), path
