@@ -100,3 +100,27 @@ def test_token_map_built_from_text_and_checked(tiny, tmp_path):
         SpeculativeConfig.parse({"method": "draft_model", "model": t.path, "draft_vocab": 0})
     with pytest.raises(SpecloomError, match="does not take 'draft_vocab'"):
         SpeculativeConfig.parse({"method": "ngram", "draft_vocab": 8})
+
+
+def test_token_map_command_writes_a_map_the_drafter_reads(tiny, tmp_path, capsys):
+    from specloom.cli import main
+    from specloom.drafters.token_map import reduced_vocabulary
+
+    t = tiny("llama")
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / "p.jsonl").write_text('{"turns": ["abc abc abc"]}\n{"prompt": "hello abc"}\n')
+    out = tmp_path / "map.json"
+    assert main(["token-map", t.path, "--prompts", str(train), "--out", str(out)]) == 0
+    assert "distinct tokens" in capsys.readouterr().out
+    m = json.loads(out.read_text())
+    assert m["vocab_size"] == VOCAB and m["tokens_counted"] == sum(m["counts"]) > 0
+    n = len(m["ranked"])
+    ids, _ = reduced_vocabulary(n + 2, str(out), t.tokenizer, VOCAB)  # the ranked tokens, then ids in order
+    rest = [i for i in range(VOCAB) if i not in m["ranked"]][:2]
+    assert set(ids.tolist()) == set(m["ranked"]) | set(rest)
+    ev = tmp_path / "eval"
+    ev.mkdir()
+    (ev / "b.jsonl").write_text('{"turns": ["x"]}\n')
+    assert main(["token-map", t.path, "--prompts", str(ev), "--out", str(tmp_path / "m2.json")]) == 2
+    assert "benchmark prompts are never training data" in capsys.readouterr().err
