@@ -42,7 +42,7 @@ def main():
     runs = {"target 1.5B (full head)": step_ms(target, target.logits),
             "draft 0.5B full head (151936)": step_ms(draft, draft.logits)}
     for n in a.sizes:
-        vocab, _ = reduced_vocabulary(n, None, tok, draft.config.vocab_size, tuple(tok.eos_token_ids))
+        vocab = reduced_vocabulary(n, None, tok, draft.config.vocab_size, tuple(tok.eos_token_ids))
         d = DraftModelDrafter(draft, 3, 1, vocab)
         runs[f"draft 0.5B draft_vocab {n}"] = step_ms(draft, d._logits)
     times = {k: [] for k in runs}

@@ -609,18 +609,10 @@ def _token_map(args) -> int:
     m = build_token_map(tok, texts, vocab_size, sorted(set(args.prompts)),
                         " ".join(["specloom", *sys.argv[1:]]))
     write_json(args.out, m)
-    c = _coverage(m["counts"])
+    share = [sum(m["counts"][:n]) / max(1, m["tokens_counted"]) for n in (16384, 32768, 65536)]
     print(f"{args.out}: {len(m['ranked'])} distinct tokens of {m['tokens_counted']} counted over {len(texts)} "
-          f"prompts; the top 16384 / 32768 / 65536 cover " + " / ".join(f"{c(n):.1%}" for n in (16384, 32768, 65536)))
+          f"prompts; the top 16384 / 32768 / 65536 cover " + " / ".join(f"{s:.1%}" for s in share))
     return 0
-
-
-def _coverage(counts: list[int]):
-    total = max(1, sum(counts))
-    pref = [0]
-    for x in counts:
-        pref.append(pref[-1] + x)
-    return lambda n: pref[min(n, len(counts))] / total
 
 
 def _plot(args) -> int:

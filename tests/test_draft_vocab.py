@@ -116,7 +116,7 @@ def test_token_map_command_writes_a_map_the_drafter_reads(tiny, tmp_path, capsys
     m = json.loads(out.read_text())
     assert m["vocab_size"] == VOCAB and m["tokens_counted"] == sum(m["counts"]) > 0
     n = len(m["ranked"])
-    ids, _ = reduced_vocabulary(n + 2, str(out), t.tokenizer, VOCAB)  # the ranked tokens, then ids in order
+    ids = reduced_vocabulary(n + 2, str(out), t.tokenizer, VOCAB)  # the ranked tokens, then ids in order
     rest = [i for i in range(VOCAB) if i not in m["ranked"]][:2]
     assert set(ids.tolist()) == set(m["ranked"]) | set(rest)
     ev = tmp_path / "eval"

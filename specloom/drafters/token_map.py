@@ -28,6 +28,13 @@ FORMAT = "specloom-token-map/1"
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bundled", "token_maps")
 
 
+def expand_logits(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over a reduced vocabulary (its target ids `ids`) -> (..., vocab_size), -inf at every other id."""
+    out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., ids] = logits
+    return out
+
+
 def count_tokens(tokenizer, texts, vocab_size: int) -> torch.Tensor:
     """Counts (V,) of the tokenizer's ids over `texts` (no special tokens added)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -92,10 +99,9 @@ def read_token_map(path: str, tokenizer, vocab_size: int) -> dict:
 
 
 def reduced_vocabulary(size: int, token_map: str | None, tokenizer, vocab_size: int,
-                       keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, str]:
+                       keep: tuple[int, ...] = ()) -> torch.Tensor:
     """The sorted ids (size,) of the `size` most frequent tokens of the map (`token_map`, else the bundled map for
-    this tokenizer), `keep` (the EOS ids) always among them; ids the map never saw fill up in id order. Returns
-    (ids, path of the map)."""
+    this tokenizer), `keep` (the EOS ids) always among them; ids the map never saw fill up in id order."""
     if size >= vocab_size:
         raise SpecloomError(f"draft_vocab {size} is not smaller than the vocabulary ({vocab_size} tokens): drop it")
     path = token_map or bundled_path(tokenizer)
@@ -108,4 +114,4 @@ def reduced_vocabulary(size: int, token_map: str | None, tokenizer, vocab_size: 
     if len(chosen) < size:
         have = set(chosen)
         chosen += [i for i in range(vocab_size) if i not in have][: size - len(chosen)]
-    return torch.tensor(sorted(chosen), dtype=torch.long), path
+    return torch.tensor(sorted(chosen), dtype=torch.long)

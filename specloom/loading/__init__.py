@@ -181,13 +181,16 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
     return config, raw
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    """The tokenizer of the model `name` (alias, .gguf or HF directory) without its weights."""
-    source = resolve(name)
-    config, _ = load_config(source)
+def _tokenizer(source: ModelSource, config: ModelConfig) -> Tokenizer:
     if source.kind == "gguf":
         return Tokenizer.from_gguf(source.path, config.eos_token_ids)
     return Tokenizer.from_dir(source.path, config.eos_token_ids)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer of the model `name` (alias, .gguf or HF directory) without its weights."""
+    source = resolve(name)
+    return _tokenizer(source, load_config(source)[0])
 
 
 def load_target(
@@ -229,10 +232,7 @@ def load_target(
                                                                         flush=True)) if progress else None)
         apply_kernels(model, plan, device=dev, choice=choice)
         model.kernel_choice = choice
-    if source.kind == "gguf":
-        tokenizer = Tokenizer.from_gguf(source.path, config.eos_token_ids)
-    else:
-        tokenizer = Tokenizer.from_dir(source.path, config.eos_token_ids)
+    tokenizer = _tokenizer(source, config)
     model.source = source
     log.info("loaded %s (%s, %s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""), dev,
              time.perf_counter() - t0)

@@ -100,9 +100,9 @@ class DecoderLM(nn.Module):
             x = x * torch.tensor(self.config.embedding_scale, dtype=x.dtype)
         return x
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden (…, H) -> fp32 logits (…, V)."""
-        out = self.lm_head(h).float()
+    def logits(self, h: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
+        """Final-normed hidden (…, H) -> fp32 logits (…, V) through the LM head (or `head`: a subset of its rows)."""
+        out = (self.lm_head if head is None else head)(h).float()
         cap = self.config.final_logit_softcapping
         if cap:
             out = torch.tanh(out / cap) * cap

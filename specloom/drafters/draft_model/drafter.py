@@ -28,7 +28,7 @@ from ...errors import DrafterMismatch, SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, int_key, register
 from ..rows import Span, chains, draw, fitting_groups, own_store
-from ..token_map import reduced_vocabulary
+from ..token_map import expand_logits, reduced_vocabulary
 
 DEFAULT_K = 4
 
@@ -77,22 +77,14 @@ class DraftModelDrafter(Drafter):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (..., H) -> fp32 logits over the draft vocabulary (all of it, or the reduced one)."""
-        if self.head is None:
-            return self.model.logits(h)
-        out = self.head(h).float()
-        cap = self.model.config.final_logit_softcapping
-        return torch.tanh(out / cap) * cap if cap else out
+        return self.model.logits(h, self.head)
 
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.vocab is None else self.vocab[ids]
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits -> target-vocabulary logits (-inf outside the reduced vocabulary)."""
-        if self.vocab is None:
-            return logits
-        out = logits.new_full((*logits.shape[:-1], self.model.config.vocab_size), float("-inf"))
-        out[..., self.vocab] = logits
-        return out
+        return logits if self.vocab is None else expand_logits(logits, self.vocab, self.model.config.vocab_size)
 
     def memory(self) -> dict:
         from ..base import kv_bytes_per_1k, module_bytes
@@ -129,7 +121,7 @@ class DraftModelDrafter(Drafter):
         check_same_token_ids(tokenizer, draft_tok, spec.model)
         vocab = None
         if spec.draft_vocab:
-            vocab, _ = reduced_vocabulary(spec.draft_vocab, spec.token_map, tokenizer, target.config.vocab_size,
+            vocab = reduced_vocabulary(spec.draft_vocab, spec.token_map, tokenizer, target.config.vocab_size,
                                           tuple(getattr(tokenizer, "eos_token_ids", ()) or ()))
         elif spec.token_map:
             raise SpecloomError('"token_map" ranks the tokens for "draft_vocab": give "draft_vocab": N as well')

@@ -226,9 +226,10 @@ class EagleDraftModel(nn.Module):
         """Draft-vocabulary logits -> target-vocabulary logits (-inf outside the draft vocabulary)."""
         if not self.config.eagle3 or self.config.draft_vocab_size == self.config.vocab_size:
             return logits
-        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        out[..., torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t] = logits
-        return out
+        from ..token_map import expand_logits
+
+        ids = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
+        return expand_logits(logits, ids, self.config.vocab_size)
 
     # -- inference -------------------------------------------------------------------------------------------
     def forward(self, u: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv,
