@@ -109,7 +109,32 @@ def test_lazy_drafter_is_probed_and_drafts_again_when_its_text_turns_predictable
     back = next(i for i in range(40, 120) if ks[i] > 0)
     assert back < 40 + pol.explore_max + 1 and all(k > 0 for k in ks[back:]), ks  # drafting again for good
     ks, row = _run(DepthPolicy.for_drafter("auto", _Lazy(False), curve(CHEAP)), _Lazy(False), accepts, 120)
-    assert not row.drafting and ks == [2] * 8 + [0] * 8, ks  # not free: turned off for the rest of the request
+    # not free: turned off for the rest of the request after its trial (its depth falling as the evidence
+    # mounts: 0 of 5 drafts accepted bounds its acceptance at 0.25) and `patience` idle steps
+    assert not row.drafting and len(ks) == 16 and ks[8:] == [0] * 8, ks
+    assert all(k > 0 for k in ks[:8]) and ks[:8] == sorted(ks[:8], reverse=True) and ks[7] == 1, ks
+
+
+MID = {1: 1.0, 2: 1.25, 3: 1.5, 5: 2.0, 9: 3.0, 17: 5.0}  # verification neither free nor linear
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_trial_ends_early_when_the_evidence_rules_the_drafter_out_but_not_after_an_unlucky_start(lazy):
+    """A drafter whose manifest promises tau 2.4 (prior alpha 0.78) on a host where verification is not free:
+    a row that accepts nothing stops drafting after 4 steps, not its whole 8-step trial (its own drafts' upper
+    bound, 0 of 4, is 0.29, below what pays); a row whose first two steps accept nothing and every later one
+    everything keeps drafting (0 of 2 still allows 0.45); a row accepting half keeps drafting too."""
+    def run(accepts):
+        pol = DepthPolicy.for_drafter("auto", _Lazy(lazy), curve(MID), prior_tau=2.4)
+        assert pol.prior_alpha == pytest.approx(0.78, abs=0.01)
+        return _run(pol, _Lazy(lazy), accepts, 40)[0]
+
+    ks = run(lambda i: 0)
+    assert ks[:4] == [2, 2, 1, 1] and ks[4:11] == [0] * 7, ks  # (lazy: probed later, at depth 1)
+    ks = run(lambda i: 0 if i < 2 else 2)
+    assert all(k > 0 for k in ks) and ks[-20:] == [2] * 20, ks
+    ks = run(lambda i: 1)
+    assert all(k > 0 for k in ks), ks
 
 
 def test_lazy_drafter_is_turned_off_where_no_acceptance_could_pay():

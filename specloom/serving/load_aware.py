@@ -51,13 +51,27 @@ class Acceptance:
     def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8):
         self.a, self.r, self.decay = prior * weight, (1 - prior) * weight, decay
         self.n = 0  # drafted steps observed
+        self.seen_a = self.seen_r = 0  # undecayed counts of this row's own drafts (no prior): the evidence
 
     def update(self, proposed_depth: int, accepted: int) -> None:
         if proposed_depth <= 0:
             return
         self.n += 1
+        rejected = 1 if accepted < proposed_depth else 0
         self.a = self.a * self.decay + accepted
-        self.r = self.r * self.decay + (1.0 if accepted < proposed_depth else 0.0)
+        self.r = self.r * self.decay + rejected
+        self.seen_a += accepted
+        self.seen_r += rejected
+
+    def upper(self, z: float = 1.28) -> float:
+        """An upper confidence bound (Wilson, one-sided 90 % at z = 1.28) on this row's own acceptance from its
+        undecayed counts alone: each drafted position up to the first rejection is one Bernoulli trial. 1.0
+        before any evidence."""
+        n = self.seen_a + self.seen_r
+        if n == 0:
+            return 1.0
+        p, z2 = self.seen_a / n, z * z
+        return min(1.0, (p + z2 / (2 * n) + z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))) / (1 + z2 / n))
 
     @property
     def alpha(self) -> float:
@@ -360,9 +374,11 @@ class DepthPolicy:
         self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
         self.t1 = cost.base if cost is not None else None  # seconds of one 1x1 pass (the cost curve's unit)
         self.explore_base, self.explore_max, self.patience = 8, 64, 8
-        # a row's first `trial` drafted steps judge it at no less than the drafter's prior: two unlucky first
-        # steps (alpha 0.5 -> 0.2) would otherwise stop a drafter that pays for the whole request, and a
-        # stopped row never drafts again to correct it (nor, through the running average, the next rows)
+        # a row's first `trial` drafted steps judge it at no less than the drafter's prior -- or than what its
+        # own drafts still allow, if lower (`alpha`): two unlucky first steps (alpha 0.5 -> 0.2) would otherwise
+        # stop a drafter that pays for the whole request, and a stopped row never drafts again to correct it
+        # (nor, through the running average, the next rows); a row whose drafts are rejected step after step
+        # (a writing prompt for a code draft model) stops within a few steps instead of paying for all eight
         self.trial = 8
         self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen
         self.last_k = 0
@@ -461,8 +477,13 @@ class DepthPolicy:
         return ks
 
     def alpha(self, acc: Acceptance) -> float:
-        """A row's acceptance as the policy judges it: its own, floored at the prior during its trial steps."""
-        return acc.alpha if acc.n >= self.trial else max(acc.alpha, self.prior_alpha)
+        """A row's acceptance as the policy judges it: its own, during its trial steps floored at the prior or at
+        the upper confidence bound of its own drafts (`Acceptance.upper`), whichever is lower: the floor keeps
+        a drafter that pays through an unlucky start, the bound ends the trial early for one the evidence
+        already rules out (0 of 3 drafts accepted: at most 0.35)."""
+        if acc.n >= self.trial:
+            return acc.alpha
+        return max(acc.alpha, min(self.prior_alpha, acc.upper()))
 
     def run_step(self, stepper, rows: list, caps: list[int] | None = None):
         """One step of `rows` (pool rows 0..n-1) at the depths this policy picks; returns (StepReport, depths)."""
