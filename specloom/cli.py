@@ -320,6 +320,7 @@ def _generate(args) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
+    _check_prompt_before_loading(args)
     engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
                   device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
     kw = dict(chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -380,6 +381,22 @@ def _generate(args) -> int:
               f"tau {result.mean_accepted_length:.2f}, {same}]", file=err)
     print(f"[{host_line(host)}; {choice.describe() if choice is not None else 'linear kernel: default'}]", file=err)
     return 0
+
+
+def _check_prompt_before_loading(args) -> None:
+    """The prompt checked against the tokenizer and the model's config before the weights load (seconds to
+    minutes): a model without a chat template under --chat, a prompt over the context, fail at once. The load
+    reuses the tokenizer built here."""
+    from .engine import check_prompt, encode_prompt
+    from .loading import load_config, load_tokenizer, resolve
+
+    try:
+        config = load_config(resolve(args.model))[0]
+        tokenizer = load_tokenizer(args.model)
+    except SpecloomError:
+        return  # a model that cannot even give its config or tokenizer: the load names what is wrong, in its order
+    ids = encode_prompt(tokenizer, args.prompt, None, args.chat)
+    check_prompt(ids, args.max_tokens, config.max_position, config.vocab_size)
 
 
 def _divergence(engine, result, base) -> tuple[int | None, float | None]:

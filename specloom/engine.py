@@ -87,27 +87,10 @@ class Engine:
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None, chat: bool = False) -> list[int]:
-        if messages is not None:
-            return self.tokenizer.encode_chat(messages)
-        if prompt is None:
-            raise SpecloomError("give a prompt, chat messages or prompt token ids")
-        if chat:
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
+        return encode_prompt(self.tokenizer, prompt, messages, chat)
 
     def check_request(self, ids: list[int], max_tokens) -> None:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise SpecloomError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if not ids:
-            raise SpecloomError("the prompt is empty")
-        if len(ids) + max_tokens > self.max_model_len:
-            raise SpecloomError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together they exceed the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        vocab = self.model.config.vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise SpecloomError(f"prompt token ids must lie in [0, {vocab})")
+        check_prompt(ids, max_tokens, self.max_model_len, self.model.config.vocab_size)
 
     def _kv_for(self, n: int) -> KVCache:
         if self._kv is None or self._kv.max_len < n:
@@ -188,6 +171,34 @@ class Engine:
                               "steps": len(depths), "mean_depth": sum(depths) / len(depths) if depths else 0.0,
                               "drafted_steps": drafted, "drafting_at_end": row.drafting}
         return result
+
+
+def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None,
+                  chat: bool = False) -> list[int]:
+    """A request's prompt token ids: `messages` through the chat template, or `prompt` raw (`chat`: as one user
+    turn). Needs the tokenizer only, so the CLI checks a prompt before the weights load."""
+    if messages is not None:
+        return tokenizer.encode_chat(messages)
+    if prompt is None:
+        raise SpecloomError("give a prompt, chat messages or prompt token ids")
+    if chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def check_prompt(ids: list[int], max_tokens, max_model_len: int, vocab: int) -> None:
+    """One clear error for a request the model cannot run: max_tokens, an empty prompt, the context, the ids."""
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        raise SpecloomError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if not ids:
+        raise SpecloomError("the prompt is empty")
+    if len(ids) + max_tokens > max_model_len:
+        raise SpecloomError(
+            f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together they exceed the "
+            f"model's context of {max_model_len} tokens"
+        )
+    if max(ids) >= vocab or min(ids) < 0:
+        raise SpecloomError(f"prompt token ids must lie in [0, {vocab})")
 
 
 def load(

@@ -118,15 +118,26 @@ def test_bad_temperature(capsys):
     assert_clean_error(rc, err, "temperature")
 
 
+@pytest.fixture
+def no_weight_load(monkeypatch):
+    """The weights must not load: a bad prompt is refused from the tokenizer and the config alone."""
+    import specloom.loading
+
+    def refuse(*a, **kw):
+        raise AssertionError("the weights loaded before the prompt was checked")
+
+    monkeypatch.setattr(specloom.loading, "load_target", refuse)
+
+
 @pytest.mark.real
-def test_prompt_longer_than_context():
-    rc, _, err = run_cli("generate", "smollm2-135m", "--prompt", "hello " * 9000, "--max-tokens", "4")
+def test_prompt_longer_than_context(capsys, no_weight_load):
+    rc, _, err = run_in_process(capsys, "generate", "smollm2-135m", "--prompt", "hello " * 9000, "--max-tokens", "4")
     assert_clean_error(rc, err, "exceed the model's context of 8192 tokens")
 
 
 @pytest.mark.real
-def test_chat_on_model_without_template():
-    rc, _, err = run_cli("generate", "gemma3-270m", "--prompt", "hi", "--chat", "--max-tokens", "2")
+def test_chat_on_model_without_template(capsys, no_weight_load):
+    rc, _, err = run_in_process(capsys, "generate", "gemma3-270m", "--prompt", "hi", "--chat", "--max-tokens", "2")
     assert_clean_error(rc, err, "no chat template")
 
 

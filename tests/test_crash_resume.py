@@ -19,6 +19,7 @@ import pytest
 import torch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+TRAIN_STEPS = 160  # checkpoints every 5 steps: the kill lands part-way with room to spare
 
 
 def _prompts(path, n, seed=0):
@@ -84,6 +85,15 @@ def runs(tiny, tmp_path_factory):
     return tiny("llama").path, root, _prompts(root / "p.jsonl", 80)
 
 
+@pytest.fixture(scope="module")
+def whole_data(runs):
+    """One uninterrupted `specloom data` run: the reference of the data test and the training test's data."""
+    target, root, prompts = runs
+    whole = str(root / "data_whole")
+    _run(_data_args(target, prompts, whole))
+    return whole
+
+
 def _data_args(target, prompts, out):
     return ["data", "--target", target, "--prompts", prompts, "--out", out, "--max-new-tokens", "24", "--rows", "4",
             "--shard-tokens", "100", "--sampled-fraction", "0.5", "--dtype", "fp32", "--kv-dtype", "fp32"]
@@ -91,14 +101,13 @@ def _data_args(target, prompts, out):
 
 def _train_args(target, data, out):
     return ["train", "medusa", "--target", target, "--data", data, "--out", out, "--tokens-per-batch", "128",
-            "--save-every", "5", "--medusa-heads", "2", "--steps", "300"]
+            "--save-every", "5", "--medusa-heads", "2", "--steps", str(TRAIN_STEPS)]
 
 
 @pytest.mark.parametrize("seed", [0])
-def test_data_killed_and_rerun_equals_an_uninterrupted_run(runs, seed):
+def test_data_killed_and_rerun_equals_an_uninterrupted_run(runs, whole_data, seed):
     target, root, prompts = runs
-    whole, killed = str(root / f"data_whole{seed}"), str(root / f"data_killed{seed}")
-    _run(_data_args(target, prompts, whole))
+    whole, killed = whole_data, str(root / f"data_killed{seed}")
     alive = _run_and_kill(_data_args(target, prompts, killed),
                           lambda: os.path.isfile(os.path.join(killed, "shard_00001.safetensors")),
                           random.Random(seed))
@@ -119,24 +128,23 @@ def _weights(d):
     return load_file(os.path.join(d, "medusa_lm_head.safetensors"))
 
 
-def test_train_killed_and_rerun_equals_an_uninterrupted_run(runs):
-    target, root, prompts = runs
-    data = str(root / "data_train")
-    _run(_data_args(target, prompts, data))
+def test_train_killed_and_rerun_equals_an_uninterrupted_run(runs, whole_data):
+    target, root, _ = runs
+    data = whole_data
     whole, killed = str(root / "train_whole"), str(root / "train_killed")
     _run(_train_args(target, data, whole))
     state = os.path.join(killed, "train_state.pt")
     alive = _run_and_kill(_train_args(target, data, killed), lambda: os.path.isfile(state), random.Random(1))
     step = torch.load(state, weights_only=False)["step"]
     p = _run(_train_args(target, data, killed))
-    assert f"resuming at step {step}/300" in p.stderr
+    assert f"resuming at step {step}/{TRAIN_STEPS}" in p.stderr
     assert not [f for f in os.listdir(killed) if f.endswith(".tmp")]
     a, b = _weights(whole), _weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     hist = [json.load(open(os.path.join(d, "history.json"))) for d in (whole, killed)]
-    assert hist[0] == hist[1] and len(hist[0]) == 300
+    assert hist[0] == hist[1] and len(hist[0]) == TRAIN_STEPS
     assert json.load(open(os.path.join(whole, "evals.json"))) == json.load(open(os.path.join(killed, "evals.json")))
-    assert alive and 0 < step < 300, (alive, step)
+    assert alive and 0 < step < TRAIN_STEPS, (alive, step)
 
 
 def test_a_failed_write_leaves_the_old_file(tmp_path):

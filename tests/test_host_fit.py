@@ -162,10 +162,14 @@ def test_probe_is_measured_once_per_host_and_cached(tmp_path, monkeypatch):
 
     x = torch.randn(3, 64).bfloat16()
     want = m[0](x)
+    own = cpu_packing.build_kernel(c.single, m[0])(x)
     apply_kernels(m, choice=c)
     assert cpu_packing.kernel_of(m[0]) == c.single or isinstance(m[0], cpu_packing.RowSplitLinear)
-    if c.probe["identical_to_native"][c.multi]:
-        assert torch.equal(m[0](x), want)
+    got = m[0](x)
+    assert torch.equal(got, own)  # the installed module runs the chosen kernel
+    # "identical on the probe" is a sample: an exact kernel may still round a product 1 bf16 ulp apart from
+    # native elsewhere (seen on an avx512_bf16 EPYC), never more
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
 
 
 # -- the depth -------------------------------------------------------------------------------------------------

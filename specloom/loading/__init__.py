@@ -11,7 +11,9 @@ The split ones are concatenated once into `~/.cache/specloom/models/` (`parts.Pa
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import glob
 import importlib.util
 import json
@@ -182,9 +184,21 @@ def load_config(source: ModelSource) -> tuple[ModelConfig, dict]:
 
 
 def _tokenizer(source: ModelSource, config: ModelConfig) -> Tokenizer:
-    if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path, config.eos_token_ids)
-    return Tokenizer.from_dir(source.path, config.eos_token_ids)
+    """The source's tokenizer, built once per process for each file (a GGUF's vocabulary takes seconds to turn
+    into a tokenizer; the CLI reads it to check a prompt before the weights load, then the load reuses it)."""
+    try:
+        stamp = os.stat(source.path).st_mtime_ns
+    except OSError:
+        stamp = None
+    # a shallow copy: a caller that sets attributes (eos ids) does not change the next caller's tokenizer
+    return copy.copy(_tokenizer_cached(source.kind, source.path, stamp, tuple(config.eos_token_ids)))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_cached(kind: str, path: str, stamp, eos: tuple) -> Tokenizer:
+    if kind == "gguf":
+        return Tokenizer.from_gguf(path, list(eos))
+    return Tokenizer.from_dir(path, list(eos))
 
 
 def load_tokenizer(name: str) -> Tokenizer:
