@@ -1,7 +1,8 @@
 """Profile: what one drafted token costs the Qwen2.5-Coder-0.5B draft model with its full head and with a reduced
-draft vocabulary, against one plain decode step of the 1.5B target (bf16, one row, interleaved repetitions).
+draft vocabulary, with its host-fitted linear kernel and with others (`"draft_kernel"`), against one plain decode
+step of the 1.5B target (bf16, one row, interleaved repetitions).
 
-    python scripts/draft_vocab_cost.py [--sizes 16384 32768 65536] [--reps 30]
+    python scripts/draft_vocab_cost.py [--sizes 16384 32768 65536] [--kernels int8] [--reps 30]
 """
 
 import argparse
@@ -35,16 +36,22 @@ def step_ms(model, head, ctx_len=64):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", type=int, nargs="+", default=[16384, 32768, 65536])
+    ap.add_argument("--kernels", nargs="*", default=["int8"], help="draft kernels besides the host-fitted one")
     ap.add_argument("--reps", type=int, default=30)
     a = ap.parse_args()
     target, tok = load_target("qwen2.5-coder-1.5b", torch.bfloat16, progress=False)
     draft, _ = load_target("qwen2.5-coder-0.5b", torch.bfloat16, progress=False)
     runs = {"target 1.5B (full head)": step_ms(target, target.logits),
             "draft 0.5B full head (151936)": step_ms(draft, draft.logits)}
-    for n in a.sizes:
-        vocab = reduced_vocabulary(n, None, tok, draft.config.vocab_size, tuple(tok.eos_token_ids))
-        d = DraftModelDrafter(draft, 3, 1, vocab)
-        runs[f"draft 0.5B draft_vocab {n}"] = step_ms(draft, d._logits)
+    drafts = {"auto": draft} | {k: load_target("qwen2.5-coder-0.5b", torch.bfloat16, progress=False, kernel=k)[0]
+                                for k in a.kernels}
+    for kern, m in drafts.items():
+        if kern != "auto":
+            runs[f"draft 0.5B {kern} full head"] = step_ms(m, m.logits)
+        for n in a.sizes:
+            vocab = reduced_vocabulary(n, None, tok, m.config.vocab_size, tuple(tok.eos_token_ids))
+            d = DraftModelDrafter(m, 3, 1, vocab)
+            runs[f"draft 0.5B {kern} draft_vocab {n}"] = step_ms(m, d._logits)
     times = {k: [] for k in runs}
     for _ in range(3):  # warm-up
         for f in runs.values():
@@ -53,10 +60,11 @@ def main():
         for k, f in runs.items():
             times[k].append(f())
     base = statistics.median(times["target 1.5B (full head)"])
-    print(f"{'pass':34s} {'ms (median)':>12s} {'x target step':>14s}")
+    print(f"target kernel: {target.kernel_choice.tag}; draft kernel (auto): {draft.kernel_choice.tag}")
+    print(f"{'pass':40s} {'ms (median)':>12s} {'x target step':>14s}")
     for k, v in times.items():
         m = statistics.median(v)
-        print(f"{k:34s} {m:12.1f} {m / base:14.2f}")
+        print(f"{k:40s} {m:12.1f} {m / base:14.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ The common keys (vLLM's names) are checked here: `method`, `model`, `num_specula
 KV stores, kv_quant.py; only for kinds that keep one: `Drafter.keeps_kv`). Every other key belongs to a drafter kind,
 which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
 `num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`), `draft_vocab` /
-`token_map` (draft_model: a frequency-ranked reduced draft vocabulary),
+`token_map` (draft_model: a frequency-ranked reduced draft vocabulary), `draft_kernel` (draft_model: the
+draft model's linear kernel, e.g. `int8`),
 `prompt_lookup_min` / `prompt_lookup_max` (ngram), `suffix_decoding_*` (suffix), `confidence_threshold` (dflash,
 dspark). A key no kind knows is refused with the list of known ones; a key of another kind is refused naming the
 method's own keys. Nothing is silently ignored.
@@ -55,6 +56,7 @@ class SpeculativeConfig:
     kv_cache_dtype: str | None = None  # the drafter's own KV type (kv_quant.KV_TYPES name; None: its default)
     draft_vocab: int | None = None  # draft_model: score only this many most frequent tokens (drafters/token_map.py)
     token_map: str | None = None  # draft_model: the token-map file ranking them (None: the bundled one)
+    draft_kernel: str | None = None  # draft_model: the draft model's linear kernel (None: its host-fitted choice)
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

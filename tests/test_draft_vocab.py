@@ -124,3 +124,31 @@ def test_token_map_command_writes_a_map_the_drafter_reads(tiny, tmp_path, capsys
     (ev / "b.jsonl").write_text('{"turns": ["x"]}\n')
     assert main(["token-map", t.path, "--prompts", str(ev), "--out", str(tmp_path / "m2.json")]) == 2
     assert "benchmark prompts are never training data" in capsys.readouterr().err
+
+
+def test_draft_kernel_int8_keeps_the_output(tiny, tmp_path):
+    """`"draft_kernel": "int8"` runs a separate draft model (here a copy of the target) on weight-only int8:
+    its guesses move a little, the output stays the target's own; a bad name or a self-draft is refused."""
+    import shutil
+
+    from specloom.models import cpu_packing
+
+    if not cpu_packing.int8_supported():
+        pytest.skip("torch._weight_int8pack_mm is not available on this host")
+    t = tiny("llama")
+    copy = shutil.copytree(t.path, tmp_path / "copy")
+    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(
+        {"method": "draft_model", "model": str(copy), "num_speculative_tokens": 3, "draft_kernel": "int8"}))
+    assert e.drafter.model is not t.model
+    kinds = {cpu_packing.kernel_of(m) for m in e.drafter.model.modules() if hasattr(m, "in_features")}
+    assert kinds == {"int8"}, kinds
+    accepted = 0
+    for ids in PROMPTS:
+        r = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
+        assert r.token_ids == plain(t, ids).token_ids
+        accepted += r.num_accepted_tokens
+    assert accepted > 0  # an int8 copy of the target still guesses it well
+    with pytest.raises(SpecloomError, match="draft_kernel must be one of"):
+        SpeculativeConfig.parse({"method": "draft_model", "model": str(copy), "draft_kernel": "fp4"})
+    with pytest.raises(SpecloomError, match="the target itself"):
+        engine(t, draft_kernel="int8")

@@ -45,8 +45,16 @@ def _path_key(name, v):
     return v
 
 
+def _kernel_key(name, v):
+    from ...models.cpu_packing import KERNELS
+
+    if v not in ("auto", *KERNELS):
+        raise SpecloomError(f"{name} must be one of auto, {', '.join(KERNELS)}, got {v!r}")
+    return v
+
+
 @register("draft_model", {"tree_width": TREE_KEYS["tree_width"], "draft_vocab": int_key(1, 1 << 22),
-                          "token_map": _path_key}, ("specloom.drafters.draft_model.trainer",))
+                          "token_map": _path_key, "draft_kernel": _kernel_key}, ("specloom.drafters.draft_model.trainer",))
 class DraftModelDrafter(Drafter):
     keeps_kv = True
     # Idle steps are free: nothing happens at depth 0 (`seen` stays), the next `propose` feeds the draft model
@@ -115,9 +123,13 @@ class DraftModelDrafter(Drafter):
         source = getattr(target, "source", None)
         draft_source = resolve(spec.model)
         if source is not None and draft_source.path == source.path:
+            if spec.draft_kernel not in (None, "auto"):
+                raise SpecloomError("draft_kernel picks the kernel of a separate draft model; this draft model is "
+                                    "the target itself, whose kernel is --linear-kernel")
             model, draft_tok = target, tokenizer  # the target drafting for itself: share the weights
         else:
-            model, draft_tok = load_target(spec.model, target.dtype, progress=False, device=target.device)
+            model, draft_tok = load_target(spec.model, target.dtype, progress=False, device=target.device,
+                                           kernel=spec.draft_kernel or "auto")
         check_same_token_ids(tokenizer, draft_tok, spec.model)
         vocab = None
         if spec.draft_vocab:
