@@ -140,15 +140,24 @@ def test_draft_kernel_int8_keeps_the_output(tiny, tmp_path):
     e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(
         {"method": "draft_model", "model": str(copy), "num_speculative_tokens": 3, "draft_kernel": "int8"}))
     assert e.drafter.model is not t.model
-    kinds = {cpu_packing.kernel_of(m) for m in e.drafter.model.modules() if hasattr(m, "in_features")}
-    assert kinds == {"int8"}, kinds
+    linears = [m for m in e.drafter.model.modules() if isinstance(m, cpu_packing.RowSplitLinear)]
+    assert linears and all(cpu_packing.kernel_of(m.single) == "int8" for m in linears)  # one-row drafting passes
+    assert all(cpu_packing.kernel_of(m.multi) == t.model.kernel_choice.multi for m in linears)  # catch-up feeds
     accepted = 0
     for ids in PROMPTS:
         r = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
         assert r.token_ids == plain(t, ids).token_ids
         accepted += r.num_accepted_tokens
     assert accepted > 0  # an int8 copy of the target still guesses it well
-    with pytest.raises(SpecloomError, match="draft_kernel must be one of"):
-        SpeculativeConfig.parse({"method": "draft_model", "model": str(copy), "draft_kernel": "fp4"})
+    every = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(
+        {"method": "draft_model", "model": str(copy), "num_speculative_tokens": 3, "draft_kernel": "int8+int8"}))
+    assert {cpu_packing.kernel_of(m) for m in every.drafter.model.modules()
+            if isinstance(m, cpu_packing.Int8Linear)} == {"int8"}
+    assert not any(isinstance(m, cpu_packing.RowSplitLinear) for m in every.drafter.model.modules())
+    assert every.generate(prompt_token_ids=PROMPTS[0], max_tokens=N, ignore_eos=True).token_ids == \
+        plain(t, PROMPTS[0]).token_ids
+    for bad in ("fp4", "auto+int8", "int8+int8+int8", 8):
+        with pytest.raises(SpecloomError, match="draft_kernel must be auto, a kernel"):
+            SpeculativeConfig.parse({"method": "draft_model", "model": str(copy), "draft_kernel": bad})
     with pytest.raises(SpecloomError, match="the target itself"):
         engine(t, draft_kernel="int8")

@@ -199,10 +199,23 @@ def _cache_path(model: nn.Module, dtype: torch.dtype) -> str:
 def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device | str | None = None,
                   refresh: bool = False, log=None) -> KernelChoice:
     """The kernel choice for `model` (its linears still plain `nn.Linear`s) on `device`. `kernel`: "auto" (the
-    probe's choice, cached per host) or a kernel name forced for every pass."""
+    probe's choice, cached per host), a kernel name forced for every pass, or "S+M": kernel S for single-row
+    passes and M (a name or "auto") for multi-row ones -- for a drafter only, whose numerics never reach the
+    output (two kernels that round differently would part a target's speculative output from its plain one)."""
     p = next(model.parameters())
     dtype, dev = p.dtype, torch.device(device) if device is not None else p.device
     dt = str(dtype).replace("torch.", "")
+    if "+" in kernel:
+        single, _, multi = kernel.partition("+")
+        if single == "auto" or "+" in multi:
+            raise SpecloomError(f"linear kernels {kernel!r}: give SINGLE+MULTI, a kernel name for one-row passes "
+                                "and a name or auto for passes over several rows")
+        one = kernel_choice(model, single, dev)
+        many = kernel_choice(model, multi, dev, refresh=refresh, log=log)
+        if one.single == many.multi:
+            return one
+        return KernelChoice(single, many.multi, f"{single} for one-row passes, {many.multi} for several rows "
+                            f"({many.reason})", dt, many.probe, many.notes)
     if kernel != "auto":
         if kernel not in cpu_packing.KERNELS:
             raise SpecloomError(f"unknown linear kernel {kernel!r} (auto, {', '.join(cpu_packing.KERNELS)})")

@@ -46,11 +46,14 @@ def _path_key(name, v):
 
 
 def _kernel_key(name, v):
+    """`K` (one-row drafting passes run K, multi-row catch-up feeds the host-fitted kernel), `K+M` or `auto`."""
     from ...models.cpu_packing import KERNELS
 
-    if v not in ("auto", *KERNELS):
-        raise SpecloomError(f"{name} must be one of auto, {', '.join(KERNELS)}, got {v!r}")
-    return v
+    parts = v.split("+") if isinstance(v, str) else [None]
+    if not (v == "auto" or (len(parts) <= 2 and parts[0] in KERNELS and parts[-1] in ("auto", *KERNELS))):
+        raise SpecloomError(f"{name} must be auto, a kernel ({', '.join(KERNELS)}) or SINGLE+MULTI "
+                            f"(e.g. int8+auto), got {v!r}")
+    return v if v == "auto" or "+" in v else f"{v}+auto"
 
 
 @register("draft_model", {"tree_width": TREE_KEYS["tree_width"], "draft_vocab": int_key(1, 1 << 22),
