@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "HF 20 with its confidence stop, llama.cpp 3)")
     b.add_argument("--baseline-lookup-tokens", type=_positive_int, default=10, metavar="N",
                    help="tokens copied per lookup by hf-lookup and llama.cpp-lookup (default 10; n-gram up to 2)")
+    b.add_argument("--repeats", type=_positive_int, default=1, metavar="N",
+                   help="decode each prompt N times with every runner (rounds interleaved, the order reversed each "
+                        "round) and keep each runner's fastest time: on a shared host a single timing per prompt "
+                        "moves by +-20 %%; the fastest of N is the run least slowed by other work (default 1)")
     b.add_argument("--raw", action="store_true", help="use prompts as raw text (default: chat template if any)")
     b.add_argument("--compare", default=None, metavar="JSON",
                    help='several drafters vs plain in one run: \'{"name": {speculative config}, ...}\'')
@@ -450,7 +454,7 @@ def _bench(args) -> int:
         speculative_config=args.speculative_config, baseline=args.baseline, chat=not args.raw, kv_dtype=args.kv_dtype,
         json_out=args.json_out, device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel,
         baseline_draft=args.baseline_draft, baseline_draft_tokens=args.baseline_draft_tokens,
-        baseline_lookup_tokens=args.baseline_lookup_tokens,
+        baseline_lookup_tokens=args.baseline_lookup_tokens, repeats=args.repeats,
     )
     return 0
 

@@ -105,6 +105,41 @@ def test_bench_interleaves_peers_and_adds_plain(tiny, tmp_path, monkeypatch):
     assert json.loads((tmp_path / "r.json").read_text())["peers"]["fake-a"]["num_prompts"] == 2
 
 
+def test_bench_repeats_keep_each_runners_fastest(tiny, tmp_path, monkeypatch):
+    """--repeats N: every runner decodes each prompt N times, the order reversed each round, and the report keeps
+    each runner's fastest time (a run slowed by other work is not the one that counts)."""
+    from specloom.bench.harness import run_bench
+
+    t = tiny("llama")
+    order, slow = [], iter([5.0, 1.0, 3.0] * 4)
+
+    class Timed(peers.Peer):
+        name = "fake-timed"
+
+        def __init__(self, ctx):
+            super().__init__(ctx)
+            self.engine = Engine(ctx.engine.model, ctx.engine.tokenizer)
+
+        def run(self, ids, max_tokens):
+            order.append("t")
+            r = self.engine.generate(prompt_token_ids=ids, max_tokens=max_tokens)
+            return PeerRun(r.token_ids, next(slow) if len(order) > 1 else 9.0, r.num_target_passes, 0, 0)
+
+    monkeypatch.setitem(peers.PEERS, "fake-timed", Timed)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w6 w5 w6"}) + "\n")
+    report = run_bench(t.path, str(prompts), max_tokens=3, dtype="fp32", baseline="fake-timed,plain",
+                       progress=False, repeats=3)
+    assert len(order) == 1 + 3  # a warm-up, then three repeats
+    entry = report["prompts"][0]["peers"]["fake-timed"]
+    assert entry["seconds_of_each_repeat"] == [5.0, 1.0, 3.0] and entry["seconds"] == 1.0
+    plain = report["prompts"][0]["peers"]["plain"]
+    assert plain["seconds"] == min(plain["seconds_of_each_repeat"]) and len(plain["seconds_of_each_repeat"]) == 3
+    assert report["repeats"] == 3 and "fastest" in report["timing"]
+    with pytest.raises(SpecloomError, match="repeats must be a positive integer"):
+        run_bench(t.path, str(prompts), max_tokens=3, dtype="fp32", progress=False, repeats=0)
+
+
 def test_peer_tau_counts_verification_passes():
     from specloom.bench.harness import _peer_tau
 

@@ -124,14 +124,18 @@ def run_bench(
     baseline_draft: str | None = None,
     baseline_draft_tokens: int | None = None,
     baseline_lookup_tokens: int = 10,
+    repeats: int = 1,
 ) -> dict:
     """`baseline`: one peer name or several, comma-separated (`peers.names()`); the first is *the* baseline of the
     report's top-level keys (speedup, baseline_tokens_per_second, identical_outputs, per-prompt baseline_*), every
     one gets its entry under `peers`. Each peer's output is compared with specloom plain's: the `plain` peer when
     listed, else the candidate itself when it does not speculate, else `plain` is added to the run (timed like
-    the others, marked auto_added)."""
+    the others, marked auto_added). `repeats`: each prompt is decoded that many times by every runner (rounds
+    interleaved, the order reversed each round) and each runner's fastest run is the one reported."""
     from . import peers as peer_registry
 
+    if not isinstance(repeats, int) or repeats < 1:
+        raise SpecloomError(f"repeats must be a positive integer, got {repeats!r}")
     names = peer_registry.parse_baselines(baseline)
     spec = SpeculativeConfig.parse(speculative_config)
     draft = baseline_draft or (spec.model if spec is not None and spec.method == "draft_model" else None)
@@ -165,7 +169,7 @@ def run_bench(
         for name in run_names:
             made[name] = peer_registry.create(name, ctx)
         return _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_plain, rows, encoded,
-                           max_tokens, use_chat, host, progress, json_out)
+                           max_tokens, use_chat, host, progress, json_out, repeats)
     finally:
         for peer in made.values():
             peer.close()
@@ -188,7 +192,7 @@ def _same_as(engine: Engine, ref_tokens: list[int], run) -> bool:
 
 
 def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_plain, rows, encoded, max_tokens,
-                use_chat, host, progress, json_out) -> dict:
+                use_chat, host, progress, json_out, repeats: int = 1) -> dict:
     primary = names[0]
     base = made[primary]
     runners = [(n, made[n]) for n in made] + [("candidate", candidate)]
@@ -203,9 +207,14 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
     peer_rows: dict[str, list[dict]] = {n: [] for n in made}
     for i, (row, ids) in enumerate(tqdm(list(zip(rows, encoded)), desc="bench", unit="prompt",
                                         disable=not progress, file=sys.stderr)):
-        got = {}
-        for name, r in (runners if i % 2 == 0 else runners[::-1]):  # A B C .., .. C B A: drift cancels
-            got[name] = r.run(ids, max_tokens)
+        got, all_seconds = {}, {}
+        for rep in range(repeats):
+            order = runners if (i * repeats + rep) % 2 == 0 else runners[::-1]  # A B C .., .. C B A: drift cancels
+            for name, r in order:
+                run = r.run(ids, max_tokens)
+                all_seconds.setdefault(name, []).append(run.seconds)
+                if name not in got or run.seconds < got[name].seconds:  # the fastest of the repeats
+                    got[name] = run
         b, c = got[primary], got["candidate"]
         ref = got[reference]
         tot["b_tok"] += b.num_tokens
@@ -232,6 +241,8 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
             }
             if p.prompt_tokens is not None:
                 entry["prompt_tokens_seen"] = p.prompt_tokens
+            if repeats > 1:
+                entry["seconds_of_each_repeat"] = all_seconds[name]
             if p.wall_seconds is not None:
                 entry["process_seconds"] = p.wall_seconds
             peers_here[name] = entry
@@ -252,6 +263,7 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
             "first_difference": None if not diverged or b.text is not None else _first_difference(b.tokens, c.tokens),
             "candidate_identical_to_specloom_plain": _same_as(engine, ref.tokens, c) if reference != "candidate"
             else True,
+            **({"candidate_seconds_of_each_repeat": all_seconds["candidate"]} if repeats > 1 else {}),
             "peers": peers_here,
         })
     b_tps = tot["b_tok"] / tot["b_s"]
@@ -280,6 +292,8 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
         "acceptance_per_position": acceptance_rates(accepted, proposed),
         "identical_outputs": sum(p["identical"] for p in per_prompt),
         "prefill_included": True,
+        "repeats": repeats,
+        "timing": "fastest of the repeats per prompt and runner" if repeats > 1 else "one run per prompt and runner",
         "baselines": list(names),
         "identity_reference": "specloom-plain" if reference == "plain" else "candidate (no speculation)",
         "candidate_identical_to_specloom_plain": sum(p["candidate_identical_to_specloom_plain"] for p in per_prompt),
