@@ -317,16 +317,17 @@ def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     assert ks == [0] * 8 and not row.drafting and row.ctx.state is None, ks
 
 
-def test_one_row_curve_is_measured_interleaved_and_monotone(tiny):
+def test_one_row_curve_is_measured_interleaved_and_monotone_in_rows(tiny):
     from specloom.serving.load_aware import measure_batch_cost, monotone
 
+    # more rows never cost less; a few tokens may really cost less than one (oneDNN bf16 on an AVX-512 EPYC:
+    # c(1, 3) = 0.9): the tokens axis stays as measured
     noisy = {(1, 1): 1.0, (1, 2): 1.3, (1, 3): 0.7, (1, 5): 1.2, (2, 1): 0.9, (2, 2): 1.0, (2, 3): 2.0, (2, 5): 1.9}
     m = monotone(noisy)
-    assert [m[(1, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 1.3, 1.3]
-    assert [m[(2, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 2.0, 2.0]
+    assert [m[(1, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 0.7, 1.2]
+    assert [m[(2, t)] for t in (1, 2, 3, 5)] == [1.0, 1.3, 2.0, 1.9]
     cost = measure_batch_cost(tiny("llama").model, 1, context=16, repeats=2)
-    assert cost.rows == [1] and cost.tokens == list(TOKENS)
-    assert all(cost(1, a) <= cost(1, b) for a, b in zip(TOKENS, TOKENS[1:])) and cost(1, 1) == 1.0
+    assert cost.rows == [1] and cost.tokens == list(TOKENS) and cost(1, 1) == 1.0
     assert cost(1, 33) >= cost(1, 17) and cost(2, 5) == pytest.approx(2 * cost(1, 5))  # one-row curve: linear in n
 
 
@@ -336,10 +337,12 @@ def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monk
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
     first = load_aware.batch_cost_cached(model, 1)
-    assert list((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
+    assert list((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r1-h*.json"))
     nine = first(1, 9)
     # the host is 10x slower now, the curve's shape unchanged
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 10 * first.base, 9: 10 * first.base * nine})
+    three = first(1, 3)
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 10 * first.base, 3: 10 * first.base * three,
+                                                                           9: 10 * first.base * nine})
     again = load_aware.batch_cost_cached(model, 1)
     assert again.base == pytest.approx(10 * first.base)
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)  # same shape
@@ -358,15 +361,15 @@ def test_cached_curve_whose_shape_this_host_no_longer_shows_is_measured_again(ti
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
     load_aware.batch_cost_cached(model, 1)
-    path = next((tmp_path / "specloom" / "verify_cost").glob("batch-*-r1-h*.json"))
+    path = next((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r1-h*.json"))
     steep = {k: v * (1 if k == "1x1" else 8) for k, v in json.loads(path.read_text()).items()}
     path.write_text(json.dumps(steep))
     monkeypatch.setattr(load_aware, "measure_batch_cost",
                         lambda m, rows, budget_s=None: load_aware.BatchCost({(1, t): 1.0 + 0.01 * t for t in TOKENS}))
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 1.0, 9: 1.1})
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 1.0, 3: 1.03 / 1.01, 9: 1.1})
     lines = []
     cost = load_aware.batch_cost_cached(model, 1, log=lines.append)
-    assert "disagrees with this host now" in lines[0] and "1.10 measured now" in lines[0], lines
+    assert "disagrees with this host now" in lines[0] and "3-token pass" in lines[0], lines
     assert float(lines[0].split("pass: ")[1].split()[0]) > 7  # the steep cached figure, named
     assert cost(1, 9) == pytest.approx(1.09 / 1.01)  # the new measurement, and it replaced the cached file
     assert json.loads(path.read_text())["1x9"] == pytest.approx(1.09)
@@ -502,13 +505,13 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
     first = load_aware.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
     grid = 2 * len(TOKENS)  # rows 1 and 2
     assert calls["n"] == 2 + 2 * grid  # the rows' prefill, then warm-up + one timed round: the bound cut the rest
-    path = next((tmp_path / "specloom" / "verify_cost").glob("batch-*-r2-h*.json"))
+    path = next((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r2-h*.json"))
     assert "measuring verify cost curve" in lines[0] and f"cached at {path}" in lines[0]
     assert "measured in" in lines[1]
     lines.clear()
     calls["n"] = 0
     probes = []  # the read's check of the cached shape, at the shape it cached (a tiny model's timings are noise)
     monkeypatch.setattr(load_aware, "time_passes",
-                        lambda m, ts, repeats: probes.append(ts) or {1: first.base, 9: first.base * first(1, 9)})
+                        lambda m, ts, repeats: probes.append(ts) or {t: first.base * first(1, t) for t in ts})
     load_aware.batch_cost_cached(model, 2, log=lines.append)
-    assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 9)]
+    assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 3, 9)]
