@@ -207,14 +207,13 @@ def _bench_loop(model, dtype, engine, candidate, made, names, reference, auto_pl
     peer_rows: dict[str, list[dict]] = {n: [] for n in made}
     for i, (row, ids) in enumerate(tqdm(list(zip(rows, encoded)), desc="bench", unit="prompt",
                                         disable=not progress, file=sys.stderr)):
-        got, all_seconds = {}, {}
+        runs = {name: [] for name, _ in runners}
         for rep in range(repeats):
             order = runners if (i * repeats + rep) % 2 == 0 else runners[::-1]  # A B C .., .. C B A: drift cancels
             for name, r in order:
-                run = r.run(ids, max_tokens)
-                all_seconds.setdefault(name, []).append(run.seconds)
-                if name not in got or run.seconds < got[name].seconds:  # the fastest of the repeats
-                    got[name] = run
+                runs[name].append(r.run(ids, max_tokens))
+        got = {name: min(rs, key=lambda x: x.seconds) for name, rs in runs.items()}  # the fastest of the repeats
+        all_seconds = {name: [x.seconds for x in rs] for name, rs in runs.items()}
         b, c = got[primary], got["candidate"]
         ref = got[reference]
         tot["b_tok"] += b.num_tokens
