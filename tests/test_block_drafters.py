@@ -308,7 +308,7 @@ def dataset(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("kind,extra", [("dflash", ["--block-size", "4"]),
                                         ("dspark", ["--block-size", "3", "--markov-rank", "8",
-                                                    "--markov-head", "gated"])])
+                                                    "--markov-head", "gated", "--warm-start-layer", "-1"])])
 def test_train_block_drafter(dataset, kind, extra):
     from specloom.cli import main
 
@@ -323,6 +323,9 @@ def test_train_block_drafter(dataset, kind, extra):
     assert last < first - 0.1, (first, last)
     raw = json.load(open(os.path.join(out, "config.json")))
     assert raw["specloom"]["kind"] == kind and raw["specloom"]["manifest"]["steps"] == 30
+    if "--warm-start-layer" in extra:  # the warm start is part of the recipe a resumed run must repeat
+        st = torch.load(os.path.join(out, "train_state.pt"), weights_only=False)
+        assert st["settings"]["warm_start_layer"] == -1
     if kind == "dspark":
         assert raw["dspark_block_size"] == 3 and raw["dspark_markov_head_type"] == "gated"
     else:
@@ -332,3 +335,38 @@ def test_train_block_drafter(dataset, kind, extra):
         a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
         assert a.token_ids == plain(t, ids).token_ids[:20]
         assert a.num_draft_tokens > 0
+
+
+def test_block_warm_start_copies_target_layers(tiny):
+    """--warm-start-layer for dflash/dspark: draft layers start as the target's layers from that one on, fc picks
+    the last feature, a narrower MLP keeps the target's strongest neurons; out of range is one clear message."""
+    from specloom.drafters.block.model import BlockDraftConfig, BlockDraftModel
+    from specloom.drafters.block.trainer import warm_start
+    from specloom.errors import SpecloomError
+
+    t = tiny("llama")
+    c = t.model.config
+    L, H = len(t.model.layers), c.hidden_size
+    cfg = BlockDraftConfig(hidden_size=H, num_layers=2, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                           head_dim=c.head_dim, intermediate_size=c.intermediate_size // 2,
+                           vocab_size=c.vocab_size, block_size=4, mask_token_id=3, feature_ids=(1, 2),
+                           target_hidden_size=H)
+    m = BlockDraftModel(cfg, t.model)
+    warm_start(m, t.model, -2)
+    for i, src in enumerate(t.model.layers[L - 2:]):
+        dst = m.layers[i]
+        qn = c.num_heads * c.head_dim
+        torch.testing.assert_close(dst.self_attn.q_proj.weight, src.self_attn.qkv_proj.weight[:qn].float())
+        torch.testing.assert_close(dst.self_attn.o_proj.weight, src.self_attn.o_proj.weight.float())
+        down = src.mlp.down_proj.weight.float()
+        kept = dst.mlp.down_proj.weight
+        assert kept.shape[1] == c.intermediate_size // 2
+        cols = [int(((down - kept[:, j:j + 1]).abs().sum(0) == 0).nonzero()[0]) for j in range(kept.shape[1])]
+        assert cols == sorted(set(cols))  # distinct target neurons, in order
+        gate = src.mlp.gate_up_proj.weight.float()[:c.intermediate_size]
+        torch.testing.assert_close(dst.mlp.gate_proj.weight, gate[cols])
+    torch.testing.assert_close(m.hidden_norm.weight, t.model.layers[L - 2].input_layernorm.weight.float())
+    assert torch.equal(m.fc.weight[:, -H:], torch.eye(H)) and not m.fc.weight[:, :-H].any()
+    for bad in (-1, L - 1, -L - 1):  # two draft layers need two target layers from the start one
+        with pytest.raises(SpecloomError, match="warm-start-layer"):
+            warm_start(m, t.model, bad)

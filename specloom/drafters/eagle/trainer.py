@@ -44,7 +44,9 @@ def warm_start(model, target, layer: int) -> None:
 
 def add_arguments(t) -> None:
     t.add_argument("--warm-start-layer", type=int, default=None,
-                   help="eagle3: start the draft layer from this target layer (e.g. -1: the last)")
+                   help="eagle3: start the draft layer from this target layer (e.g. -1: the last); dflash, dspark: "
+                        "the draft layers from this and the following target layers (e.g. -3 on SmolLM2: the "
+                        "layer that reads the last target feature)")
 
 
 @trainer("eagle3")
