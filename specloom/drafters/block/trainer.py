@@ -45,41 +45,17 @@ def default_mask_token(tokenizer, data, vocab_size: int) -> int:
 
 def warm_start(model, target, layer: int) -> None:
     """Start the draft layers from target layers `layer`, `layer` + 1, ... (negative: from the end): attention,
-    MLP and norms copied (an MLP narrower than the target's keeps the target's strongest neurons), `fc` picking
-    the last feature and `hidden_norm` the first copied layer's input norm, so the context keys/values start as
-    that layer's own over the last feature. The q/k norms the target lacks stay at one."""
-    from ...errors import SpecloomError
+    MLP and norms copied (training/warm_start.py), `fc` picking the last feature and `hidden_norm` the first copied
+    layer's input norm, so the context keys/values start as that layer's own over the last feature. The q/k norms
+    a target lacks stay at one."""
+    from ...training.warm_start import copy_layer, pick_last_feature, start_layer
 
-    L, n = len(target.layers), len(model.layers)
-    first = layer + L if layer < 0 else layer
-    if not 0 <= first <= L - n:
-        raise SpecloomError(f"--warm-start-layer must lie in [-{L}, {L - n}] for {n} draft layer(s) on this "
-                            f"{L}-layer target, got {layer}")
-    H = model.config.target_hidden_size
+    first = start_layer(target, layer, len(model.layers))
+    for i, dst in enumerate(model.layers):
+        copy_layer(dst, target.layers[first + i], dst.input_layernorm)
     with torch.no_grad():
-        for i, dst in enumerate(model.layers):
-            src = target.layers[first + i]
-            att = dst.self_attn
-            q, k, v = src.self_attn.qkv_proj.weight.float().split(
-                [att.q_proj.out_features, att.k_proj.out_features, att.v_proj.out_features], 0)
-            for lin, w in ((att.q_proj, q), (att.k_proj, k), (att.v_proj, v), (att.o_proj,
-                                                                               src.self_attn.o_proj.weight)):
-                lin.weight.copy_(w.float())
-            g, u = src.mlp.gate_up_proj.weight.float().split(src.mlp.gate_up_proj.weight.shape[0] // 2, 0)
-            down = src.mlp.down_proj.weight.float()
-            keep = (down.norm(dim=0) * u.norm(dim=1)).topk(dst.mlp.gate_proj.out_features).indices.sort().values
-            dst.mlp.gate_proj.weight.copy_(g[keep])
-            dst.mlp.up_proj.weight.copy_(u[keep])
-            dst.mlp.down_proj.weight.copy_(down[:, keep])
-            if src.self_attn.q_norm is not None:
-                att.q_norm.weight.copy_(src.self_attn.q_norm.weight.float())
-                att.k_norm.weight.copy_(src.self_attn.k_norm.weight.float())
-            dst.input_layernorm.weight.copy_(src.input_layernorm.weight.float())
-            dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
         model.hidden_norm.weight.copy_(target.layers[first].input_layernorm.weight.float())
-        fc = model.fc.weight  # (H, n_features * H): identity on the last feature block
-        fc.zero_()
-        fc[:, -H:] = torch.eye(H)
+    pick_last_feature(model.fc, model.config.target_hidden_size)
 
 
 class _BlockTrainer(_Base):

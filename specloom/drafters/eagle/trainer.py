@@ -16,30 +16,12 @@ def warm_start(model, target, layer: int) -> None:
     """Start the EAGLE-3 layer from target layer `layer` (negative: from the end): attention (its input
     projections on the hidden half of [embedding; hidden]), MLP and norms copied, and `fc` picking the last
     feature (the target's high layer); the embedding half of the projections stays at its small random init."""
-    from ...errors import SpecloomError
+    from ...training.warm_start import copy_layer, pick_last_feature, start_layer
 
-    L = len(target.layers)
-    if not -L <= layer < L:
-        raise SpecloomError(f"--warm-start-layer must lie in [-{L}, {L - 1}] for this {L}-layer target, got {layer}")
-    src = target.layers[layer]
     dst = model.layers[0]
     H = model.config.hidden_size
-    att = dst.self_attn
-    q, k, v = src.self_attn.qkv_proj.weight.float().split(
-        [att.q_proj.out_features, att.k_proj.out_features, att.v_proj.out_features], 0)
-    with torch.no_grad():
-        for lin, w in ((att.q_proj, q), (att.k_proj, k), (att.v_proj, v)):
-            lin.weight[:, H:] = w
-        att.o_proj.weight.copy_(src.self_attn.o_proj.weight.float())
-        g, u = src.mlp.gate_up_proj.weight.float().split(dst.mlp.gate_proj.out_features, 0)
-        dst.mlp.gate_proj.weight.copy_(g)
-        dst.mlp.up_proj.weight.copy_(u)
-        dst.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight.float())
-        dst.hidden_norm.weight.copy_(src.input_layernorm.weight.float())
-        dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.float())
-        fc = model.fc.weight  # (H, n_features * H): identity on the last feature block
-        fc.zero_()
-        fc[:, -H:] = torch.eye(H)
+    copy_layer(dst, target.layers[start_layer(target, layer)], dst.hidden_norm, slice(H, None))
+    pick_last_feature(model.fc, H)
 
 
 def add_arguments(t) -> None:
