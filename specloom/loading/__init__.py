@@ -207,6 +207,17 @@ def load_tokenizer(name: str) -> Tokenizer:
     return _tokenizer(source, load_config(source)[0])
 
 
+def invariant_attention_for(model: DecoderLM) -> bool:
+    """Whether `model` runs the batch-invariant attention kernel: on a CPU where it builds (AVX2, a C compiler;
+    not disabled by SPECLOOM_INVARIANT_KERNEL=0) for a head size it supports. Then a position's result is the same
+    in every pass, and greedy speculative output equals plain decoding bit for bit (with a batch-invariant linear
+    kernel: models/cpu_packing.py)."""
+    from ..models import invariant_attention
+
+    return (model.device.type == "cpu" and invariant_attention.supports(model.config.head_dim)
+            and invariant_attention.available())
+
+
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
     device: str | torch.device | None = "cpu", kernel: str = "auto", weights_resident: str | None = None,
@@ -248,6 +259,7 @@ def load_target(
         model.kernel_choice = choice
     tokenizer = _tokenizer(source, config)
     model.source = source
+    model.invariant_attention = invariant_attention_for(model)
     log.info("loaded %s (%s, %s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""), dev,
              time.perf_counter() - t0)
     return model, tokenizer

@@ -23,18 +23,21 @@ import torch
 class AttentionContext:
     """What every layer of one forward pass shares: the pass its keys/values go through and which keys each
     query sees. `masks[kind]` is a bool mask `(n, 1, T, S)` (True = attend) or absent for "all keys";
-    `windows[kind]` the number of trailing key slots to read (None = all); `causal` a plain causal pass."""
+    `windows[kind]` the number of trailing key slots to read (None = all); `causal` a plain causal pass;
+    `invariant`: attention runs the batch-invariant CPU kernel (models/invariant_attention.py), so a position's
+    result does not depend on the pass it is in."""
 
-    def __init__(self, kv, cos_sin: dict, masks: dict, windows: dict, causal: bool):
+    def __init__(self, kv, cos_sin: dict, masks: dict, windows: dict, causal: bool, invariant: bool = False):
         self.kv = kv
         self.cos_sin = cos_sin
         self.masks = masks
         self.windows = windows
         self.causal = causal
+        self.invariant = invariant
 
 
 def attention_context(kv, positions: torch.Tensor, attn_mask: torch.Tensor | None, cos_sin: dict,
-                      sliding_window: int | None = None, kinds=("full",)) -> AttentionContext:
+                      sliding_window: int | None = None, kinds=("full",), invariant: bool = False) -> AttentionContext:
     """`kv` a KVPass (kv.py); positions (n, T) the RoPE positions of the new entries (stored in the slots)."""
     n, T = positions.shape
     if (n, T) != (kv.n, kv.T):
@@ -47,9 +50,9 @@ def attention_context(kv, positions: torch.Tensor, attn_mask: torch.Tensor | Non
     if kv.uniform and attn_mask is None and T == 1:
         if sliding and S > sliding_window:  # a decode step: a sliding layer reads only its last `window` slots
             windows["sliding"] = sliding_window
-        return AttentionContext(kv, cos_sin, masks, windows, False)
+        return AttentionContext(kv, cos_sin, masks, windows, False, invariant)
     if kv.uniform and kv.start == 0 and attn_mask is None and (not sliding or S <= sliding_window):
-        return AttentionContext(kv, cos_sin, masks, windows, True)
+        return AttentionContext(kv, cos_sin, masks, windows, True, invariant)
     dev = positions.device
     new = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if attn_mask is None else attn_mask.to(dev)
     new = new.expand(n, *new.shape[-2:]) if new.dim() == 2 else new
@@ -73,4 +76,4 @@ def attention_context(kv, positions: torch.Tensor, attn_mask: torch.Tensor | Non
     if sliding:
         near = (positions.unsqueeze(-1) - kv.slot_positions().unsqueeze(1)) < sliding_window  # (n, T, S)
         masks["sliding"] = masks["full"] & near.unsqueeze(1)
-    return AttentionContext(kv, cos_sin, masks, windows, False)
+    return AttentionContext(kv, cos_sin, masks, windows, False, invariant)

@@ -21,52 +21,15 @@ failed check: the kernel is unavailable (`unavailable_reason()`), never an error
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
+import shutil  # noqa: F401 (tests patch shutil.which through this module)
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SOURCE = os.path.join(os.path.dirname(__file__), "kernels", "invariant_linear.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+from .native import load_kernel
 
 _state: dict = {}  # "fn": the ctypes function, or "why": the reason it is unavailable
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return shutil.which(cc)
-    return None
-
-
-def _build(cc: str) -> str:
-    from ..tokenizer import cache_dir
-
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha1(src + " ".join(FLAGS + [version]).encode()).hexdigest()[:12]
-    out_dir = os.path.join(cache_dir(), "kernels")
-    path = os.path.join(out_dir, f"invariant_linear-{key}.so")
-    if os.path.isfile(path):
-        return path
-    os.makedirs(out_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        r = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp], capture_output=True, text=True, timeout=120)
-        if r.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(cc)} failed: {(r.stderr or r.stdout).strip()[:300]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 def _self_check(fn) -> str | None:
@@ -87,30 +50,9 @@ def _self_check(fn) -> str | None:
 
 
 def _load():
-    if _state:
-        return _state.get("fn")
-    why = None
-    if os.environ.get("SPECLOOM_INVARIANT_KERNEL", "1") == "0":
-        why = "disabled by SPECLOOM_INVARIANT_KERNEL=0"
-    elif torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        why = f"this CPU has no AVX2 (PyTorch reports {torch.backends.cpu.get_cpu_capability()})"
-    elif (cc := _compiler()) is None:
-        why = "no C compiler (cc, gcc or clang; or $CC) to build it"
-    if why is None:
-        try:
-            lib = ctypes.CDLL(_build(cc))
-            fn = lib.invariant_linear
-            fn.restype = ctypes.c_int
-            P, L = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [P, P, ctypes.c_int, P, P, L, L, L, ctypes.c_int]
-            why = _self_check(fn)
-        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
-            why = f"build failed: {e}"
-    if why is None:
-        _state["fn"] = fn
-    else:
-        _state["why"] = why
-    return _state.get("fn")
+    P, L = ctypes.c_void_p, ctypes.c_int64
+    return load_kernel(_state, "invariant_linear.c", "invariant_linear",
+                       [P, P, ctypes.c_int, P, P, L, L, L, ctypes.c_int], _self_check)
 
 
 def available() -> bool:

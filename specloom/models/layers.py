@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
+from . import invariant_attention
 from .context import AttentionContext
 
 
@@ -134,6 +135,9 @@ class Attention(nn.Module):
         if window is not None:
             keys, values = keys[:, :, -window:], values[:, :, -window:]
         mask = ctx.masks.get(self.kind)
+        if ctx.invariant:  # (B, H, T, d) fp32, each query's bits independent of the pass
+            out = invariant_attention.attend(q, keys, values, mask, self.scale)
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype))
         out = F.scaled_dot_product_attention(
             q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=ctx.causal and mask is None,
             scale=self.scale, enable_gqa=self.n_kv != self.n_heads,

@@ -50,6 +50,9 @@ class ForwardOutput(NamedTuple):
 
 class DecoderLM(nn.Module):
     block_cls: type[nn.Module]
+    # attention through the batch-invariant CPU kernel (models/invariant_attention.py; set by the loader where it
+    # builds): every position's result is then the same in a decode step, a verification pass or a prefill chunk
+    invariant_attention: bool = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -92,7 +95,8 @@ class DecoderLM(nn.Module):
         kvp = kv.open(positions.shape[1])  # a store (every active row) or a pass over some of its rows
         cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, self.dtype)
                    for kind in self.layer_kinds}
-        return attention_context(kvp, positions, attn_mask, cos_sin, self.config.sliding_window, self.layer_kinds)
+        return attention_context(kvp, positions, attn_mask, cos_sin, self.config.sliding_window, self.layer_kinds,
+                                 self.invariant_attention)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
