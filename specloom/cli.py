@@ -373,18 +373,38 @@ def _generate(args) -> int:
           f"{spec}, finish: {result.finish_reason}]", file=err)
     if base is not None:
         ratio = _ratio(tps, base_tps)
-        same = "identical output"
+        invariant = passes_invariant(engine.model)
+        same = "identical output" + (" (batch-invariant passes: bit for bit by construction)" if invariant else "")
         if base.token_ids != result.token_ids:
             j, margin = _divergence(engine, result, base)
-            same = (f"outputs part at token {j}" + (f", a near-tie of the target's top-2 logits (margin {margin:.3f}): "
-                                                    "bf16 rounds a multi-token pass differently; fp32 is exact"
-                                                    if margin is not None else ""))
+            at = f" (top-2 logit margin there {margin:.3f})" if margin is not None else ""
+            same = (f"outputs part at token {j}{at}: " + (
+                "a defect, since this host's passes are batch-invariant -- please report it" if invariant else
+                f"this host's passes are not batch-invariant ({invariance_gap(engine.model)}), so a multi-token "
+                "pass can round a near-tie differently"))
         rounds = f", {args.compare_rounds} rounds interleaved" if args.compare_rounds > 1 else ""
         print(f"[plain decoding, same prompt, same run: {_speed(base, base_tps)}]\n"
               f"[speed-up {ratio:.2f}x ({tps:.1f} vs {base_tps:.1f} tokens/s, prefill excluded{rounds}), "
               f"tau {result.mean_accepted_length:.2f}, {same}]", file=err)
     print(f"[{host_line(host)}; {choice.describe() if choice is not None else 'linear kernel: default'}]", file=err)
     return 0
+
+
+def passes_invariant(model) -> bool:
+    """Whether every pass computes a position the same way (batch-invariant attention and linears), so greedy
+    speculative output equals plain decoding bit for bit."""
+    choice = getattr(model, "kernel_choice", None)
+    return model.uses_invariant_attention() and choice is not None and bool(choice.invariant)
+
+
+def invariance_gap(model) -> str:
+    """What keeps a model's passes from being batch-invariant, in a few words."""
+    from .models import invariant_attention
+
+    if not model.uses_invariant_attention():
+        return f"PyTorch's attention: {invariant_attention.unavailable_reason() or 'not on this device'}"
+    choice = getattr(model, "kernel_choice", None)
+    return f"linear kernel {choice.tag if choice is not None else 'default'} is not"
 
 
 def _check_prompt_before_loading(args) -> None:

@@ -233,5 +233,11 @@ def load(
 
     if linear_kernel not in ("auto", *KERNELS):
         raise SpecloomError(f"unknown linear kernel {linear_kernel!r} (auto, {', '.join(KERNELS)})")
-    target, tokenizer = load_target(model, dtype, progress=progress, device=dev, kernel=linear_kernel)
+    drafting = None
+    if spec is not None and speculation != "off":  # the kernel is chosen for speculation, not plain decoding
+        from .bench.kernel_probe import MULTI, Drafting
+
+        drafting = Drafting(width=min(1 + spec.num_speculative_tokens, 16) if spec.num_speculative_tokens else MULTI)
+    target, tokenizer = load_target(model, dtype, progress=progress, device=dev, kernel=linear_kernel,
+                                    drafting=drafting)
     return Engine(target, tokenizer, spec, max_model_len=max_model_len, kv_dtype=kv_dt, speculation=speculation)

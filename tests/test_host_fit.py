@@ -57,9 +57,11 @@ def test_host_info_line_and_key(onednn):
 
 # -- the linear kernel ------------------------------------------------------------------------------------------
 
-def _probe(ms: dict, identical: dict) -> dict:
-    return {"rows": [1, 9], "ms": {k: {"1": a, "9": b} for k, (a, b) in ms.items()},
-            "identical_to_native": identical}
+def _probe(ms: dict, invariant: dict, quiet: bool = True) -> dict:
+    """A whole-pass probe: ms per kernel for 1 and 9 tokens (4 and 16 interpolated)."""
+    return {"version": kernel_probe.PROBE_VERSION, "widths": [1, 4, 9, 16], "quiet": quiet, "spread": 0.05,
+            "ms": {k: {"1": a, "4": (a + b) / 2, "9": b, "16": 2 * b} for k, (a, b) in ms.items()},
+            "invariant": invariant}
 
 
 def test_kernel_choice_on_a_bf16_host(onednn):
@@ -67,29 +69,49 @@ def test_kernel_choice_on_a_bf16_host(onednn):
     p = _probe({"onednn": (16, 17), "native": (27, 27), "fp32": (27, 74), "int8": (9, 37)},
                {"onednn": True, "native": True, "fp32": False, "int8": False})
     c = choose_kernels(p, torch.bfloat16)
-    assert (c.single, c.multi, c.tag) == ("onednn", "onednn", "onednn") and not c.changes_numerics
-    # int8 is faster for one row but changes the target: reported, never chosen
-    assert any(n.startswith("int8 would be faster for 1 row") and "--linear-kernel int8" in n for n in c.notes)
+    assert (c.single, c.multi, c.tag) == ("onednn", "onednn", "onednn") and not c.changes_numerics and c.invariant
+    # int8 is faster for one token but changes the target: reported, never chosen
+    assert any(n.startswith("int8 would be faster") and "--linear-kernel int8" in n for n in c.notes)
     assert any(n.startswith("fp32 does not win") for n in c.notes)
-    assert "onednn 16.0/17.0" in c.describe()
+    assert "onednn 16.0/16.5/17.0/34.0" in c.describe()
+
+
+def test_kernel_choice_by_whole_steps_not_one_row(onednn):
+    """Issue 35: the micro-probe picked `invariant` for being fastest at one row, where onednn's 9-token pass
+    cost 20 ms against 49: with a drafter the whole-pass figures choose onednn; plain decoding the faster step."""
+    onednn(True)
+    p = _probe({"onednn": (22.7, 25.0), "invariant": (21.1, 48.8), "native": (30, 60)},
+               {"onednn": True, "invariant": True, "native": False})
+    assert choose_kernels(p, torch.bfloat16, drafting=kernel_probe.Drafting(tau=1.9)).single == "onednn"
+    assert choose_kernels(p, torch.bfloat16).single == "invariant"  # plain decoding: the faster decode step
+    # a drafter that does not pay at all (tau 1.0) leaves the choice to plain decoding
+    assert choose_kernels(p, torch.bfloat16, drafting=kernel_probe.Drafting(tau=1.0)).single == "invariant"
+
+
+def test_batch_invariant_kernel_preferred_within_the_slack(onednn):
+    onednn(True)
+    inv = {"onednn": True, "native": False}
+    c = choose_kernels(_probe({"onednn": (20.4, 21), "native": (20.0, 21)}, inv), torch.bfloat16)
+    assert c.single == "onednn" and c.invariant and "batch-invariant" in c.reason  # 2 % behind: invariant wins
+    c = choose_kernels(_probe({"onednn": (24.0, 25), "native": (20.0, 21)}, inv), torch.bfloat16)
+    assert c.single == "native" and c.invariant is False  # 20 % behind: speed wins, and the choice says so
+    assert any("--linear-kernel onednn" in n and "bit for bit" in n for n in c.notes), c.notes
+    c = choose_kernels(_probe({"onednn": (24.0, 25), "native": (20.0, 21)}, {}), torch.bfloat16)
+    assert any("no kernel is batch-invariant" in n for n in c.notes)
+    noisy = choose_kernels(_probe({"onednn": (20, 21), "native": (24, 25)}, inv, quiet=False), torch.bfloat16)
+    assert any("busy host" in n for n in noisy.notes)
 
 
 def test_kernel_choice_on_an_avx2_host(onednn):
     onednn(False)  # no oneDNN bf16: native bf16 costs ~n for n rows, fp32 is memory-bound
-    p = _probe({"native": (3.4, 30.0), "fp32": (12.4, 14.0), "int8": (5.0, 40.0)},
-               {"native": True, "fp32": False, "int8": False})
-    c = choose_kernels(p, torch.bfloat16)
-    assert (c.single, c.multi) == ("native", "native")
-    assert any(n.startswith("fp32 would be faster for 9 rows") and "numerics" in n for n in c.notes), c.notes
+    p = _probe({"native": (34, 300.0), "fp32": (36, 45.0), "int8": (50, 400.0)},
+               {"native": False, "fp32": False, "int8": False})
+    c = choose_kernels(p, torch.bfloat16, drafting=kernel_probe.Drafting())
+    assert (c.single, c.multi) == ("native", "native") and c.invariant is False
+    assert any(n.startswith("fp32 would be faster") and "numerics" in n for n in c.notes), c.notes
 
 
-def test_row_split_only_between_bit_identical_kernels(onednn):
-    onednn(True)
-    ms = {"onednn": (16, 30), "native": (27, 20)}
-    c = choose_kernels(_probe(ms, {"onednn": True, "native": True}), torch.bfloat16)
-    assert (c.single, c.multi, c.tag) == ("onednn", "native", "onednn+native")
-    c = choose_kernels(_probe(ms, {"onednn": False, "native": True}), torch.bfloat16)
-    assert (c.single, c.multi) == ("onednn", "onednn") and any("not mixed" in n for n in c.notes)
+def test_row_split_runs_two_kernels():
     # a row split runs the single-row kernel for one row and the other for more
     lin = nn.Linear(8, 4).bfloat16()
     calls = []
@@ -145,31 +167,63 @@ def test_forced_kernels_and_errors():
     assert c.tag == "native" and c.probe is None  # not a CPU: nothing to probe
 
 
-def test_probe_is_measured_once_per_host_and_cached(tmp_path, monkeypatch):
+def _tiny_bf16_target():
+    from specloom.config import ModelConfig
+    from specloom.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig.from_hf({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "vocab_size": 128, "max_position_embeddings": 512})
+    m = LlamaForCausalLM(cfg)
+    for p in m.parameters():
+        nn.init.normal_(p, std=0.1)
+    return m.bfloat16().eval()
+
+
+def test_probe_times_whole_passes_is_cached_and_heals(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    m = _small_bf16_model()
+    m = _tiny_bf16_target()
+    calls = []
+    real = kernel_probe.probe_kernels
+    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: calls.append(k.get("widths")) or real(*a, **k))
     c = kernel_choice(m, "auto", "cpu")
     files = list((tmp_path / "specloom" / "host").glob("kernels-*.json"))
     assert len(files) == 1 and host_key() in files[0].name
     saved = json.loads(files[0].read_text())
     assert set(saved["ms"]) == set(kernel_probe.candidates(torch.bfloat16, "cpu"))
-    assert saved["identical_to_native"]["native"] is True
-    assert c.probe["ms"] == saved["ms"] and c.single in kernel_probe.exact_candidates(torch.bfloat16, "cpu")
-    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: pytest.fail("probed again"))
-    assert kernel_choice(m, "auto", "cpu").tag == c.tag  # read from the cache
-    # the chosen kernels really run: same products as F.linear for the exact ones
-    from specloom.loading.formats import apply_kernels
+    assert saved["widths"] == list(kernel_probe.WIDTHS) and all(v["1"] > 0 for v in saved["ms"].values())
+    assert set(saved["invariant"]) == set(saved["ms"]) and c.single in kernel_probe.exact_candidates(torch.bfloat16, "cpu")
+    assert all(type(x) is nn.Linear for x in m.modules() if hasattr(x, "in_features"))  # the probe put them back
+    quiet = saved["quiet"]
+    calls.clear()
+    kernel_choice(m, "auto", "cpu")
+    # a quiet cached probe is only checked against a live decode step; a busy one is measured again
+    assert calls == ([(1,)] if quiet else [None]), calls
+    # a cached decode step far slower than the live one was taken under load: measured again
+    for v in saved["ms"].values():
+        v["1"] *= 100
+    saved["quiet"] = True
+    files[0].write_text(json.dumps(saved))
+    calls.clear()
+    kernel_choice(m, "auto", "cpu")
+    assert calls == [(1,), None], calls
+    # a corrupt cache is measured again, not a traceback
+    files[0].write_text("{not json")
+    calls.clear()
+    kernel_choice(m, "auto", "cpu")
+    assert calls and calls[-1] is None
+    json.loads(files[0].read_text())  # rewritten whole
 
-    x = torch.randn(3, 64).bfloat16()
-    want = m[0](x)
-    own = cpu_packing.build_kernel(c.single, m[0])(x)
-    apply_kernels(m, choice=c)
-    assert cpu_packing.kernel_of(m[0]) == c.single or isinstance(m[0], cpu_packing.RowSplitLinear)
-    got = m[0](x)
-    assert torch.equal(got, own)  # the installed module runs the chosen kernel
-    # "identical on the probe" is a sample: an exact kernel may still round a product 1 bf16 ulp apart from
-    # native elsewhere (seen on an avx512_bf16 EPYC), never more
-    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-5)
+
+def test_forced_kernel_reports_batch_invariance():
+    m = _tiny_bf16_target()
+    c = kernel_choice(m, "native", "cpu")
+    assert c.invariant in (True, False)
+    from specloom.models import invariant_linear
+
+    if invariant_linear.available():
+        assert kernel_choice(m, "invariant", "cpu").invariant is True
 
 
 # -- the depth -------------------------------------------------------------------------------------------------

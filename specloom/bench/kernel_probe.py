@@ -1,22 +1,28 @@
-"""Which linear kernel runs the target's passes on this host: a short measured probe, cached per host.
+"""Which linear kernel runs the target's passes on this host: chosen by what whole passes cost, cached per host.
 
-For each distinct linear shape of the model (one module of each, weighted by how many the model has; a weight
-of more than 8192 rows by its first 8192, time scaled) every
-candidate kernel (models/cpu_packing.py: `onednn`, `native`, `fp32`, `int8`) multiplies 1 row (a plain decode
-step) and `MULTI` rows (a verification pass over a small tree / chain), interleaved, median of a few repeats
-within a time budget. The products are also compared bit for bit with `native` (`F.linear`) at both row counts.
+Every exact candidate (models/cpu_packing.py: `onednn` where oneDNN runs bf16, `invariant` where it builds,
+`native`) is installed in turn in the model itself and timed as the engine uses it: a decode step (1 token) and
+verification passes of `WIDTHS` tokens after a 128-token context, attention and norms included, interleaved round
+by round (drift hits all alike), the fastest of the repeats kept. A one-row micro-probe of the linears alone once
+chose a kernel that ran the README's default at 0.53x of what the host gave with another (issue 35): the cost of a
+step is what is measured now.
 
-The choice (`KernelChoice`): among the kernels that keep the model's numerics (for bf16: `onednn` where oneDNN
-runs bf16, `invariant` where it builds, and `native`; for fp32: `native`, nothing to probe) the fastest for one
-row runs plain decoding; the fastest for `MULTI` rows runs multi-row passes only if both gave bit-identical
-products on the probe, otherwise the single-row kernel runs every pass (plain decoding is the floor speculation
-falls back to, so it comes first). Except: a batch-invariant kernel (`invariant`) that is fastest for `MULTI`
-rows runs every pass when its single-row time is within `INVARIANT_SLACK` of the fastest -- cheap verification
-for a few percent of plain speed, and plain and speculative products then agree bit for bit.
-`fp32` (for a bf16 model) and `int8` change the target's numerics: they are measured and reported, never chosen
-by default; `--linear-kernel fp32|int8` opts in, and then runs plain and speculative passes alike.
+The choice (`choose_kernels`): the kernel with the highest expected tokens/s -- for plain decoding 1 / t(1); with a
+drafter (`Drafting`: tau tokens per verification of `width` tokens) the better of plain decoding and
+tau / t(width), since the depth policy falls back to plain decoding where drafting does not pay. Batch-invariant
+kernels come first: each is checked on this host (every linear shape of the model, a row alone against the same
+row in a 9- and a 16-row pass, bit for bit) and one within `INVARIANT_SLACK` of the fastest kernel is chosen, so
+that greedy speculative output is plain output bit for bit (with the invariant attention, models/
+invariant_attention.py). When no invariant kernel comes that close the fastest runs and the choice says that
+bf16 outputs can then part at near-ties (`KernelChoice.invariant` False).
 
-The probe's figures are cached in ~/.cache/specloom/host/ per host key (host.py), dtype and shape set.
+A noisy host: when the repeats of a pass spread by more than `NOISY` (another process competing), more rounds
+run within a budget; a measurement still noisy is used but cached as such and measured again next time. A cached
+probe is checked against a live decode step: a step now clearly faster than cached means the cache was taken
+under load, and the probe runs again. `fp32` (for a bf16 model) and `int8` change the target's numerics: never
+chosen by default; `--linear-kernel fp32|int8` opts in for every pass.
+
+The figures are cached in ~/.cache/specloom/host/ per host key (host.py), dtype and model shape.
 """
 
 from __future__ import annotations
@@ -35,9 +41,21 @@ from ..errors import SpecloomError
 from ..host import host_key
 from ..models import cpu_packing
 
-MULTI = 9  # rows of the multi-row probe: an n-gram chain of 4-8, an EAGLE-2 tree of 8 nodes + root
-INVARIANT_SLACK = 1.10  # a batch-invariant kernel may be this much slower for 1 row and still run every pass
-MAX_OUT = 8192  # larger weights (a 262k-word head) are probed on their first rows, time scaled up
+MULTI = 9  # the verification width of a typical drafter: an EAGLE-2 tree of 8 nodes + root, a chain of 8
+WIDTHS = (1, 4, 9, 16)  # tokens per timed pass: a decode step and verification passes
+INVARIANT_SLACK = 1.03  # a batch-invariant kernel may be this much slower than the fastest and still be chosen
+NOISY = 0.15  # a pass whose median repeat is this much above its fastest: the host was busy
+PROBE_BUDGET_S = 20.0  # the most a probe may spend repeating rounds on a noisy host
+LIVE_CHECK = 0.80  # a live decode step faster than this share of the cached one: the cache was taken under load
+PROBE_VERSION = 2  # cached probes of another version (the one-row micro-probe) are measured again
+
+
+@dataclass
+class Drafting:
+    """What the configured drafter is expected to do: `tau` tokens per verification pass of `width` tokens."""
+
+    tau: float = 1.8
+    width: int = MULTI
 
 
 @dataclass
@@ -46,8 +64,9 @@ class KernelChoice:
     multi: str  # kernel for multi-row passes (verification, prefill, batches)
     reason: str
     dtype: str = ""
-    probe: dict | None = None  # {"rows": [1, 9], "ms": {kernel: {rows: ms}}, "identical_to_native": {...}}
+    probe: dict | None = None  # {"widths": [1, 4, 9, 16], "ms": {kernel: {width: ms}}, "invariant": {...}, ...}
     notes: list[str] = field(default_factory=list)  # candidates not chosen, and why
+    invariant: bool | None = None  # batch-invariant on this host (None: not checked, e.g. forced or fp32)
 
     @property
     def tag(self) -> str:
@@ -64,9 +83,9 @@ class KernelChoice:
         if not self.probe:
             return head
         ms = self.probe["ms"]
-        rows = self.probe["rows"]
-        cells = ", ".join(f"{k} {'/'.join(f'{ms[k][str(n)]:.1f}' for n in rows)}" for k in ms)
-        return f"{head}; probe ms for {'/'.join(map(str, rows))} rows: {cells}"
+        widths = [str(w) for w in self.probe.get("widths", [])]
+        cells = ", ".join(f"{k} {'/'.join(f'{ms[k][w]:.1f}' for w in widths)}" for k in ms)
+        return f"{head}; whole-pass ms for {'/'.join(widths)} tokens: {cells}"
 
     def to_dict(self) -> dict:
         return asdict(self) | {"tag": self.tag, "changes_numerics": self.changes_numerics}
@@ -85,7 +104,8 @@ def _groups(model: nn.Module) -> list[tuple[nn.Linear, int]]:
 def _signature(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted((k[0], k[1], k[2], n) for k, n in
                     (((m.out_features, m.in_features, m.bias is not None), n) for m, n in _groups(model)))
-    return hashlib.sha1(json.dumps([str(dtype), shapes]).encode()).hexdigest()[:12]
+    attn = bool(model.uses_invariant_attention()) if hasattr(model, "uses_invariant_attention") else False
+    return hashlib.sha1(json.dumps([str(dtype), shapes, attn]).encode()).hexdigest()[:12]
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> list[str]:
@@ -98,95 +118,146 @@ def exact_candidates(dtype: torch.dtype, device: torch.device | str) -> list[str
 
 
 @torch.inference_mode()
-def probe_kernels(model: nn.Module, kernels: list[str], rows=(1, MULTI), repeats: int = 5,
-                  budget_s: float = 4.0) -> dict:
-    """Milliseconds per model pass spent in the linears (sum over shapes of count x median time) per kernel and
-    row count, and whether each kernel's products equal `native`'s bit for bit. Kernels are timed interleaved
-    (drift hits all alike); each shape gets an equal share of `budget_s` (at least 2 timed repeats)."""
-    groups = _groups(model)
+def batch_invariant(model: nn.Module, kernel: str, rows=(9, 16)) -> bool:
+    """Whether `kernel` gives every row of a pass the bits it gives that row alone, on each linear shape of
+    `model` (random activations; rows 0, a middle one and the last of passes over `rows` rows)."""
+    g = torch.Generator().manual_seed(1)
+    for lin, _ in _groups(model):
+        mod = cpu_packing.build_kernel(kernel, lin)
+        x = torch.randn(max(rows), lin.in_features, generator=g).to(lin.weight.dtype)
+        for n in rows:
+            y = mod(x[:n])
+            if not all(torch.equal(mod(x[i:i + 1])[0], y[i]) for i in sorted({0, n // 2, n - 1})):
+                return False
+    return True
+
+
+class _Installed:
+    """The model's plain linears, and installing one kernel's modules in their place (or the originals back)."""
+
+    def __init__(self, model: nn.Module):
+        self.slots = [(parent, name, child) for parent in model.modules()
+                      for name, child in parent.named_children() if type(child) is nn.Linear]
+        self.built: dict[str, list] = {}
+
+    def install(self, kernel: str | None) -> None:
+        if kernel is not None and kernel not in self.built:
+            self.built[kernel] = [cpu_packing.build_kernel(kernel, lin) for _, _, lin in self.slots]
+        for i, (parent, name, lin) in enumerate(self.slots):
+            setattr(parent, name, lin if kernel is None else self.built[kernel][i])
+
+
+@torch.inference_mode()
+def probe_kernels(model: nn.Module, kernels: list[str], widths=WIDTHS, context: int = 128, rounds: int = 5,
+                  budget_s: float = PROBE_BUDGET_S, check: bool = True) -> dict:
+    """Milliseconds of whole passes over `widths` tokens (one row, after `context` cached tokens) per kernel: the
+    fastest of the rounds, kernels interleaved round by round. More rounds run (within `budget_s`) while any
+    pass's median repeat lies more than NOISY above its fastest; `quiet` says whether it ended below that."""
+    from .verify_cost import sync
+
+    slots = _Installed(model)
+    dev = model.device
+    V = model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    ms = {k: {n: 0.0 for n in rows} for k in kernels}
-    identical = {k: True for k in kernels}
-    share = budget_s / max(len(groups), 1)
-    for full, count in groups:
-        lin, scale = full, 1.0
-        if full.out_features > MAX_OUT:  # bounded probe time and memory: time a slice, scale by its share
-            lin = nn.Linear(full.in_features, MAX_OUT, bias=full.bias is not None, device="meta")
-            lin.weight = nn.Parameter(full.weight.detach()[:MAX_OUT], requires_grad=False)
-            if full.bias is not None:
-                lin.bias = nn.Parameter(full.bias.detach()[:MAX_OUT], requires_grad=False)
-            scale = full.out_features / MAX_OUT
-        dev, dt = lin.weight.device, lin.weight.dtype
-        xs = {n: torch.randn(n, lin.in_features, generator=g).to(device=dev, dtype=dt) for n in rows}
-        ref = {n: lin(xs[n]) for n in rows}
-        mods = {k: cpu_packing.build_kernel(k, lin) for k in kernels}
-        times = {(k, n): [] for k in kernels for n in rows}
-        for k, mod in mods.items():
-            for n in rows:
-                y = mod(xs[n])  # warm-up, and the bitwise check
-                identical[k] = identical[k] and bool(torch.equal(y, ref[n]))
-        t_end = time.perf_counter() + share
-        for rep in range(repeats):
-            for k, mod in mods.items():
-                for n in rows:
-                    t = time.perf_counter()
-                    mod(xs[n])
-                    times[(k, n)].append(time.perf_counter() - t)
-            if rep >= 1 and time.perf_counter() > t_end:
+    kv = model.new_kv(context + max(widths) + 1)
+    ctx = torch.randint(0, V, (1, context), generator=g).to(dev)
+    inputs = {w: (torch.randint(0, V, (1, w), generator=g).to(dev),
+                  torch.arange(context, context + w, device=dev)[None]) for w in widths}
+    times = {(k, w): [] for k in kernels for w in widths}
+    t0 = time.perf_counter()
+    try:
+        slots.install(kernels[0])
+        model(ctx, torch.arange(context, device=dev)[None], kv, num_logits=1)
+        kv.commit()
+        rnd = 0
+        while True:
+            for k in kernels:
+                slots.install(k)
+                for w in widths:
+                    sync(dev)
+                    s = time.perf_counter()
+                    model(*inputs[w], kv, num_logits=1)
+                    sync(dev)
+                    kv.truncate(context)
+                    if rnd:  # round 0 warms up (and builds each kernel's modules)
+                        times[(k, w)].append(time.perf_counter() - s)
+            rnd += 1
+            if rnd <= rounds:
+                continue
+            spread = max(statistics.median(ts) / min(ts) - 1 for ts in times.values())
+            if spread <= NOISY or time.perf_counter() - t0 > budget_s:
                 break
-        for (k, n), ts in times.items():
-            ms[k][n] += 1000 * count * scale * statistics.median(ts)
-        del mods
-    return {"rows": list(rows), "ms": {k: {str(n): v for n, v in d.items()} for k, d in ms.items()},
-            "identical_to_native": identical, "shapes": len(groups)}
+    finally:
+        slots.install(None)
+    return {"version": PROBE_VERSION, "widths": list(widths), "context": context,
+            "ms": {k: {str(w): 1000 * min(times[(k, w)]) for w in widths} for k in kernels},
+            "spread": round(spread, 3), "quiet": spread <= NOISY, "rounds": rnd - 1,
+            "invariant": {k: batch_invariant(model, k) for k in kernels} if check else {}}
 
 
-def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
-    """The default choice from a probe (see the module doc); notes say why each other candidate lost."""
-    single_n, multi_n = (str(n) for n in probe["rows"][:2])
-    ms, same = probe["ms"], probe["identical_to_native"]
-    exact = [k for k in exact_candidates(dtype, device) if k in ms]
-    if not exact:
-        exact = ["native"]
-        ms = {**ms, "native": ms.get("native", {single_n: 0.0, multi_n: 0.0})}
-    single = min(exact, key=lambda k: ms[k][single_n])
-    multi = min(exact, key=lambda k: ms[k][multi_n])
+def _ms_at(ms: dict, width: int) -> float:
+    """Milliseconds of a pass over `width` tokens, interpolated between the measured widths."""
+    xs = sorted(int(w) for w in ms)
+    if width <= xs[0]:
+        return ms[str(xs[0])]
+    for a, b in zip(xs, xs[1:]):
+        if a <= width <= b:
+            return ms[str(a)] + (ms[str(b)] - ms[str(a)]) * (width - a) / (b - a)
+    return ms[str(xs[-1])] * width / xs[-1]
+
+
+def expected_rate(ms: dict, drafting: Drafting | None) -> float:
+    """Expected tokens per second with one kernel's pass times: plain decoding, or the better of plain decoding
+    and `tau` tokens per verification pass (the depth policy decodes plain where drafting does not pay)."""
+    plain = 1000.0 / ms["1"]
+    if drafting is None:
+        return plain
+    return max(plain, 1000.0 * drafting.tau / _ms_at(ms, drafting.width))
+
+
+def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   drafting: Drafting | None = None) -> KernelChoice:
+    """The default choice from a whole-pass probe (see the module doc); notes say why each other lost."""
+    ms, inv = probe["ms"], probe.get("invariant", {})
     dt = str(dtype).replace("torch.", "")
+    exact = [k for k in exact_candidates(dtype, device) if k in ms] or ["native"]
+    if "native" not in ms:
+        ms = {**ms, "native": {w: 0.0 for w in next(iter(ms.values()), {"1": 0.0})}}
+    rate = {k: expected_rate(ms[k], drafting) for k in ms}
+    what = "plain decoding" if drafting is None else f"a drafter of tau {drafting.tau:g} over {drafting.width} tokens"
+    best = max(exact, key=rate.get)
+    invariant = [k for k in exact if inv.get(k)]
+    best_inv = max(invariant, key=rate.get) if invariant else None
     notes = []
-    if (multi != single and multi in cpu_packing.BATCH_INVARIANT
-            and ms[multi][single_n] <= INVARIANT_SLACK * ms[single][single_n]):
-        # a batch-invariant kernel that wins the multi-row passes runs every pass, if plain decoding loses little
-        notes.append(f"{single} is faster for 1 row ({ms[single][single_n]:.1f} vs {ms[multi][single_n]:.1f} ms) but "
-                     f"{multi} runs every pass: {ms[multi][multi_n]:.1f} vs {ms[single][multi_n]:.1f} ms for "
-                     f"{multi_n} rows, and batch-invariant")
-        single = multi
-        reason = f"{multi} fastest for {multi_n} rows, batch-invariant, run for every pass"
-    elif multi != single:
-        if same.get(single, False) and same.get(multi, False):
-            reason = (f"{single} fastest for 1 row, {multi} for {multi_n} rows; bit-identical products on the "
-                      f"probe")
-        else:
-            notes.append(f"{multi} is faster for {multi_n} rows ({ms[multi][multi_n]:.1f} vs "
-                         f"{ms[single][multi_n]:.1f} ms) but its products differ from {single}'s: not mixed")
-            multi = single
-            reason = f"{single} fastest for 1 row, run for every pass"
+    if best_inv is not None and rate[best_inv] * INVARIANT_SLACK >= rate[best]:
+        chosen = best_inv
+        reason = f"{chosen}: the most tokens/s for {what}, batch-invariant"
+        if best_inv != best:
+            reason = (f"{chosen}: batch-invariant, {rate[best] / rate[best_inv] - 1:.0%} behind {best} for {what}")
     else:
-        reason = f"{single} fastest for 1 and {multi_n} rows" if len(exact) > 1 else f"{single}: the only exact kernel"
-        if single in cpu_packing.BATCH_INVARIANT:
-            reason += ", batch-invariant"
-    for k in ms:
-        if k in exact:
-            continue
-        wins = [n for n in (single_n, multi_n) if ms[k][n] < ms[single if n == single_n else multi][n]]
-        if wins:
-            how = " and ".join(f"{n} row{'s' if n != '1' else ''} ({ms[k][n]:.1f} vs "
-                               f"{ms[single if n == single_n else multi][n]:.1f} ms)" for n in wins)
-            notes.append(f"{k} would be faster for {how} but changes a {dt} model's numerics: opt in with "
-                         f"--linear-kernel {k} (then plain and speculative passes both run it)")
+        chosen = best
+        reason = f"{chosen}: the most tokens/s for {what}"
+        if best_inv is None:
+            notes.append(f"no kernel is batch-invariant on this host: bf16 speculative output can part from plain "
+                         f"decoding at a near-tie (use --dtype fp32 for identical outputs)")
         else:
-            notes.append(f"{k} does not win ({ms[k][single_n]:.1f} / {ms[k][multi_n]:.1f} ms) and changes "
-                         f"a {dt} model's numerics")
-    return KernelChoice(single, multi, reason, dt, probe, notes)
+            notes.append(f"{best_inv} is batch-invariant (bf16 speculative output = plain decoding bit for bit) but "
+                         f"{1 - rate[best_inv] / rate[best]:.0%} slower here: --linear-kernel {best_inv} to prefer it")
+    for k in ms:
+        if k == chosen:
+            continue
+        t1, tw = ms[k]["1"], _ms_at(ms[k], MULTI)
+        if k in exact:
+            notes.append(f"{k}: {t1:.1f} ms per decode step, {tw:.1f} ms per {MULTI}-token pass"
+                         f"{', batch-invariant' if inv.get(k) else ', not batch-invariant'}")
+        elif rate[k] > rate[chosen]:
+            notes.append(f"{k} would be faster ({t1:.1f} / {tw:.1f} ms) but changes a {dt} model's numerics: opt "
+                         f"in with --linear-kernel {k} (then plain and speculative passes both run it)")
+        else:
+            notes.append(f"{k} does not win ({t1:.1f} / {tw:.1f} ms) and changes a {dt} model's numerics")
+    if not probe.get("quiet", True):
+        notes.append(f"measured on a busy host (repeats spread {probe.get('spread', 0):.0%}): measured again next time")
+    return KernelChoice(chosen, chosen, reason, dt, probe, notes, bool(inv.get(chosen)))
 
 
 def _cache_path(model: nn.Module, dtype: torch.dtype) -> str:
@@ -197,11 +268,12 @@ def _cache_path(model: nn.Module, dtype: torch.dtype) -> str:
 
 
 def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device | str | None = None,
-                  refresh: bool = False, log=None) -> KernelChoice:
+                  refresh: bool = False, log=None, drafting: Drafting | None = None) -> KernelChoice:
     """The kernel choice for `model` (its linears still plain `nn.Linear`s) on `device`. `kernel`: "auto" (the
-    probe's choice, cached per host), a kernel name forced for every pass, or "S+M": kernel S for single-row
-    passes and M (a name or "auto") for multi-row ones -- for a drafter only, whose numerics never reach the
-    output (two kernels that round differently would part a target's speculative output from its plain one)."""
+    whole-pass probe's choice for plain decoding, or for `drafting` when a drafter will run; cached per host), a
+    kernel name forced for every pass, or "S+M": kernel S for single-row passes and M (a name or "auto") for
+    multi-row ones -- for a drafter only, whose numerics never reach the output (two kernels that round
+    differently would part a target's speculative output from its plain one)."""
     p = next(model.parameters())
     dtype, dev = p.dtype, torch.device(device) if device is not None else p.device
     dt = str(dtype).replace("torch.", "")
@@ -223,26 +295,29 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
             raise SpecloomError(f"linear kernel {kernel!r} cannot run {dt} weights on {dev} here (available: "
                                 f"{', '.join(candidates(dtype, dev))})")
         why = "forced" + (f"; changes a {dt} model's numerics" if cpu_packing.changes_numerics(kernel, dtype) else "")
-        return KernelChoice(kernel, kernel, why, dt)
+        inv = batch_invariant(model, kernel) if dev.type == "cpu" and _groups(model) else None
+        return KernelChoice(kernel, kernel, why, dt, invariant=inv)
     if dev.type != "cpu":
         return KernelChoice("native", "native", f"{dev.type}: no CPU kernels", dt)
     cands = candidates(dtype, dev)
-    if len(cands) == 1 or dtype == torch.float32:
-        # one exact kernel (fp32: native; int8 is opt-in only): nothing to choose, no probe
-        return KernelChoice("native", "native", "the only exact kernel", dt)
+    if len(cands) == 1 or dtype == torch.float32 or not hasattr(model, "new_kv"):
+        # one exact kernel (fp32: native; int8 is opt-in only), or not a target model: nothing to choose
+        inv = batch_invariant(model, "native") if dtype == torch.float32 and _groups(model) else None
+        return KernelChoice("native", "native", "the only exact kernel", dt, invariant=inv)
     path = _cache_path(model, dtype)
-    probe = None
-    if not refresh and os.path.isfile(path):
-        try:
-            with open(path) as f:
-                probe = json.load(f)
-            if set(probe["ms"]) != set(cands):
-                probe = None
-        except (OSError, ValueError, KeyError):
+    probe = None if refresh else _read_probe(path, cands, log)
+    if probe is not None:
+        chosen = choose_kernels(probe, dtype, dev, drafting).single
+        now = probe_kernels(model, [chosen], widths=(1,), rounds=3, budget_s=0.0, check=False)["ms"][chosen]["1"]
+        if now < LIVE_CHECK * probe["ms"][chosen]["1"]:
+            if log:
+                log(f"cached kernel probe {path} was taken on a busier host (a decode step: "
+                    f"{probe['ms'][chosen]['1']:.1f} ms cached, {now:.1f} ms now); measuring again")
             probe = None
     if probe is None:
         if log:
-            log(f"probing linear kernels ({', '.join(cands)}) once for this host")
+            log(f"timing decode steps and verification passes with each linear kernel ({', '.join(cands)}) once "
+                "for this host")
         probe = probe_kernels(model, cands)
         probe["host"] = host_key()
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -250,4 +325,24 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
         with open(tmp, "w") as f:
             json.dump(probe, f, indent=1)
         os.replace(tmp, path)
-    return choose_kernels(probe, dtype, dev)
+        if log and not probe["quiet"]:
+            log(f"the host was busy while timing (repeats spread {probe['spread']:.0%}): the kernel choice is "
+                "provisional and is measured again on the next load")
+    return choose_kernels(probe, dtype, dev, drafting)
+
+
+def _read_probe(path: str, cands: list[str], log=None) -> dict | None:
+    """A cached probe that is whole, current and was taken on a quiet host; None otherwise (a corrupt file is
+    named and measured again)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            probe = json.load(f)
+        ok = (probe.get("version") == PROBE_VERSION and set(probe["ms"]) == set(cands)
+              and all(float(v[w]) > 0 for v in probe["ms"].values() for w in ("1", str(MULTI))))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if log:
+            log(f"kernel probe cache {path} is unreadable: measuring again")
+        return None
+    return probe if ok and probe.get("quiet", False) else None

@@ -207,20 +207,10 @@ def load_tokenizer(name: str) -> Tokenizer:
     return _tokenizer(source, load_config(source)[0])
 
 
-def invariant_attention_for(model: DecoderLM) -> bool:
-    """Whether `model` runs the batch-invariant attention kernel: on a CPU where it builds (AVX2, a C compiler;
-    not disabled by SPECLOOM_INVARIANT_KERNEL=0) for a head size it supports. Then a position's result is the same
-    in every pass, and greedy speculative output equals plain decoding bit for bit (with a batch-invariant linear
-    kernel: models/cpu_packing.py)."""
-    from ..models import invariant_attention
-
-    return (model.device.type == "cpu" and invariant_attention.supports(model.config.head_dim)
-            and invariant_attention.available())
-
-
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
     device: str | torch.device | None = "cpu", kernel: str = "auto", weights_resident: str | None = None,
+    drafting=None,
 ) -> tuple[DecoderLM, Tokenizer]:
     """Load a target model and its tokenizer. `name` is an alias, a .gguf file or a HF directory. `device`:
     where the weights go (`cpu`, `cuda`, `cuda:N`; None = `default_device()`); tensors are read (and GGUF blocks
@@ -229,7 +219,8 @@ def load_target(
     `cpu_packing.KERNELS`, forced for every pass); the choice is `model.kernel_choice`. `weights_resident`:
     "dequantized" (the default: quantized weights -- FP8, MXFP4, NVFP4, decided per module -- are dequantised
     into `dtype` at load) or "quantized" (held in their checkpoint format, dequantised on each forward); None reads
-    SPECLOOM_WEIGHTS_RESIDENT."""
+    SPECLOOM_WEIGHTS_RESIDENT. `drafting`: what the drafter that will run is expected to do
+    (`kernel_probe.Drafting`), so "auto" picks the kernel for speculation rather than for plain decoding."""
     dt = parse_dtype(dtype)
     dev = parse_device(device)
     source = resolve(name)
@@ -254,12 +245,12 @@ def load_target(
         from ..bench.kernel_probe import kernel_choice
 
         choice = kernel_choice(model, kernel, dev, log=(lambda m: print(f"specloom: {m}", file=sys.stderr,
-                                                                        flush=True)) if progress else None)
+                                                                        flush=True)) if progress else None,
+                               drafting=drafting)
         apply_kernels(model, plan, device=dev, choice=choice)
         model.kernel_choice = choice
     tokenizer = _tokenizer(source, config)
     model.source = source
-    model.invariant_attention = invariant_attention_for(model)
     log.info("loaded %s (%s, %s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""), dev,
              time.perf_counter() - t0)
     return model, tokenizer

@@ -135,7 +135,8 @@ class Attention(nn.Module):
         if window is not None:
             keys, values = keys[:, :, -window:], values[:, :, -window:]
         mask = ctx.masks.get(self.kind)
-        if ctx.invariant:  # (B, H, T, d) fp32, each query's bits independent of the pass
+        if ctx.invariant and not (torch.is_grad_enabled() and q.requires_grad):  # inference only (no autograd)
+            # (B, H, T, d) fp32, each query's bits independent of the pass
             out = invariant_attention.attend(q, keys, values, mask, self.scale)
             return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype))
         out = F.scaled_dot_product_attention(

@@ -50,9 +50,17 @@ class ForwardOutput(NamedTuple):
 
 class DecoderLM(nn.Module):
     block_cls: type[nn.Module]
-    # attention through the batch-invariant CPU kernel (models/invariant_attention.py; set by the loader where it
-    # builds): every position's result is then the same in a decode step, a verification pass or a prefill chunk
-    invariant_attention: bool = False
+    # attention through the batch-invariant CPU kernel (models/invariant_attention.py): every position's result is
+    # then the same in a decode step, a verification pass or a prefill chunk. None: wherever it can run (a CPU
+    # where it builds, a head size it supports); False: never (PyTorch's attention)
+    invariant_attention: bool | None = None
+
+    def uses_invariant_attention(self) -> bool:
+        if self.invariant_attention is False or self.device.type != "cpu":
+            return False
+        from . import invariant_attention
+
+        return invariant_attention.supports(self.config.head_dim) and invariant_attention.available()
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -96,7 +104,7 @@ class DecoderLM(nn.Module):
         cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, self.dtype)
                    for kind in self.layer_kinds}
         return attention_context(kvp, positions, attn_mask, cos_sin, self.config.sliding_window, self.layer_kinds,
-                                 self.invariant_attention)
+                                 self.uses_invariant_attention())
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(tokens)
