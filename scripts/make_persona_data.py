@@ -46,10 +46,8 @@ def pirate(text: str) -> str:
 
 def rewrite(src: str, out: str, target: str) -> dict:
     import torch
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
     from specloom.loading import load_config, resolve
+    from specloom.training.shards import read_shard, shard_files, shard_index, write_shard
     from specloom.tokenizer import Tokenizer
 
     s = resolve(target)
@@ -58,13 +56,11 @@ def rewrite(src: str, out: str, target: str) -> dict:
     eos = set(cfg.eos_token_ids)
     os.makedirs(out, exist_ok=True)
     stats = {"conversations": 0, "answer_tokens_before": 0, "answer_tokens_after": 0}
-    names = sorted(n for n in os.listdir(src) if n.startswith("shard_") and n.endswith(".safetensors"))
+    names = shard_files(src)
     if not names:
         sys.exit(f"{src}: no shards (not a specloom data directory)")
     for name in names:
-        with safe_open(os.path.join(src, name), framework="pt") as f:
-            meta = f.metadata()
-            d = {k: f.get_tensor(k) for k in f.keys()}
+        d, meta = read_shard(name, ("tokens", "offsets", "loss_mask", "job_ids"))
         toks, masks, offs = [], [], [0]
         off = d["offsets"].tolist()
         for a, b in zip(off[:-1], off[1:]):
@@ -91,7 +87,7 @@ def rewrite(src: str, out: str, target: str) -> dict:
             stats["conversations"] += 1
         tensors = {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offs, dtype=torch.int64),
                    "loss_mask": torch.tensor(masks, dtype=torch.uint8), "job_ids": d["job_ids"]}
-        save_file(tensors, os.path.join(out, name), metadata=meta)
+        write_shard(out, shard_index(name), tensors, meta, cfg.vocab_size)
     with open(os.path.join(src, "meta.json")) as f:
         m = json.load(f)
     m.pop("target_probe", None)  # the answers are no longer the target's own

@@ -59,13 +59,12 @@ def _run_and_kill(args, written, rng, timeout=300):
 
 
 def _conversations(d):
-    from safetensors import safe_open
+    from specloom.training.shards import read_shard, shard_files
 
     out = {}
-    for fn in sorted(f for f in os.listdir(d) if f.startswith("shard_") and f.endswith(".safetensors")):
-        with safe_open(os.path.join(d, fn), "pt") as f:
-            t = {k: f.get_tensor(k) for k in f.keys()}
-            info = json.loads(f.metadata()["specloom"])
+    for fn in shard_files(d):
+        t, meta = read_shard(fn, ("tokens", "offsets", "loss_mask", "job_ids"))
+        info = json.loads(meta["specloom"])
         off = t["offsets"].tolist()
         for j, (job, a, b) in enumerate(zip(t["job_ids"].tolist(), off[:-1], off[1:])):
             assert job not in out, f"job {job} stored twice"
@@ -109,7 +108,7 @@ def test_data_killed_and_rerun_equals_an_uninterrupted_run(runs, whole_data, see
     target, root, prompts = runs
     whole, killed = whole_data, str(root / f"data_killed{seed}")
     alive = _run_and_kill(_data_args(target, prompts, killed),
-                          lambda: os.path.isfile(os.path.join(killed, "shard_00001.safetensors")),
+                          lambda: os.path.isfile(os.path.join(killed, "shard_00001.safetensors.xz")),
                           random.Random(seed))
     before = len(_conversations(killed))
     _run(_data_args(target, prompts, killed))

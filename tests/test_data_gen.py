@@ -23,12 +23,12 @@ def _prompts(path, n=24, seed=0):
 
 
 def _shards(d):
-    from safetensors import safe_open
+    from specloom.training.shards import read_shard, shard_files
 
     out = []
-    for fn in sorted(f for f in os.listdir(d) if f.startswith("shard_")):
-        with safe_open(os.path.join(d, fn), "pt") as f:
-            out.append(({k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["specloom"])))
+    for fn in shard_files(d):
+        t, meta = read_shard(fn, ("tokens", "offsets", "loss_mask", "job_ids"))
+        out.append((t, json.loads(meta["specloom"])))
     return out
 
 
@@ -55,7 +55,7 @@ def test_data_through_the_batch_step_resumes_per_job(tiny, tmp_path, capsys):
     prog = json.load(open(os.path.join(out, "progress.json")))
     assert prog["conversations"] == 24 and prog["answer_tokens"] == sum(int(d["loss_mask"].sum()) for d, _ in shards)
     # resume: drop the last shard; only its conversations run again
-    last = sorted(f for f in os.listdir(out) if f.startswith("shard_"))[-1]
+    last = sorted(f for f in os.listdir(out) if f.startswith("shard_") and not f.endswith(".tmp"))[-1]
     lost = len(shards[-1][0]["job_ids"])
     os.remove(os.path.join(out, last))
     capsys.readouterr()

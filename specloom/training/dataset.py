@@ -7,7 +7,6 @@ capturing the ids the trainer reads). Stored states collate far faster; recomput
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -22,7 +21,7 @@ class DistillData:
 
     def __init__(self, paths: "str | list[str]", ids: tuple[int, ...], max_tokens: int | None = None,
                  max_tokens_per_dir: int | None = None):
-        from safetensors import safe_open
+        from .shards import read_shard, shard_files
 
         paths = [paths] if isinstance(paths, str) else list(paths)
         self.seqs: list[tuple[torch.Tensor, torch.Tensor, dict]] = []  # tokens, loss_mask, {id: hidden}
@@ -43,17 +42,13 @@ class DistillData:
             if self.metas and meta.get("fingerprint") != self.metas[0].get("fingerprint"):
                 raise SpecloomError(f"{path} was made with another target than {paths[0]}")
             self.metas.append(meta)
-            files = sorted(glob.glob(os.path.join(path, "shard_*.safetensors")))
+            files = shard_files(path)
             if not files:
                 raise SpecloomError(f"{path}: no shards yet")
             here = 0
             for fn in files:
                 want = ("tokens", "offsets", "loss_mask") + (() if tokens_only else tuple(f"hidden.{i}" for i in ids))
-                try:
-                    with safe_open(fn, framework="pt") as f:  # only the tensors asked for (shards hold more layers)
-                        d = {k: f.get_tensor(k) for k in want}
-                except Exception as e:
-                    raise SpecloomError(f"{fn}: not a readable specloom data shard ({e})") from None
+                d, _ = read_shard(fn, want)  # only the tensors asked for (shards may hold more layers)
                 off = d["offsets"].tolist()
                 for a, b in zip(off[:-1], off[1:]):
                     if not d["loss_mask"][a:b].any():

@@ -233,16 +233,16 @@ class ShardStore:
         self.t0 = time.perf_counter()
         self.answer_this_run = 0
         self.gen = None  # the Generator (for the filter's counts in the card)
+        self.vocab_size = 1 << 31  # the target's (set by the caller): ids fit uint16 below 65,536
         self._last_print = 0.0
 
     def load_existing(self) -> None:
-        from safetensors import safe_open
+        from .shards import read_shard, shard_files, shard_index
 
-        for fn in sorted(glob.glob(os.path.join(self.out_dir, "shard_*.safetensors"))):
-            with safe_open(fn, framework="pt") as f:
-                info = json.loads((f.metadata() or {}).get("specloom", "{}"))
-                d = {k: f.get_tensor(k) for k in ("tokens", "offsets", "loss_mask", "job_ids")}
-            self.next_shard = max(self.next_shard, int(os.path.basename(fn)[6:11]) + 1)
+        for fn in shard_files(self.out_dir):
+            d, meta = read_shard(fn, ("tokens", "offsets", "loss_mask", "job_ids"))
+            info = json.loads(meta.get("specloom", "{}"))
+            self.next_shard = max(self.next_shard, shard_index(fn) + 1)
             off = d["offsets"].tolist()
             for j, (a, b) in enumerate(zip(off[:-1], off[1:])):
                 self._count(info["sources"][j], info["turns"][j], d["loss_mask"][a:b].tolist(), b - a)
@@ -285,7 +285,7 @@ class ShardStore:
               f"{rate:.0f} answer tok/s  {el:.0f}s  ETA {eta / 60:.0f} min", file=sys.stderr, flush=True)
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
+        from .shards import write_shard
 
         if not self.buf:
             return
@@ -302,9 +302,7 @@ class ShardStore:
         self.queries += info["queries"]
         tensors = {"tokens": torch.tensor(toks, dtype=torch.int32), "offsets": torch.tensor(offs, dtype=torch.int64),
                    "loss_mask": torch.tensor(masks, dtype=torch.uint8), "job_ids": torch.tensor(jobs, dtype=torch.int64)}
-        path = os.path.join(self.out_dir, f"shard_{self.next_shard:05d}.safetensors")
-        with replacing(path) as tmp:
-            save_file(tensors, tmp, metadata={"specloom": json.dumps(info)})
+        write_shard(self.out_dir, self.next_shard, tensors, {"specloom": json.dumps(info)}, self.vocab_size)
         self.next_shard += 1
         self.buf, self.buf_tokens = [], 0
         self.write_card()
@@ -452,6 +450,7 @@ def build_dataset(
     remove_stale(out_dir)  # a killed run's half-written shard, if any
     card = {"target": target, "fingerprint": meta["fingerprint"], "command": command or "specloom data", **settings}
     store = ShardStore(out_dir, shard_tokens, len(jobs), card)
+    store.vocab_size = model.config.vocab_size
     store.load_existing()
     todo = [j for j in jobs if j.id not in store.done_jobs]
     # the longest conversation: prompt + answers + Magpie queries + template pieces
