@@ -569,3 +569,21 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
                         lambda m, ts, repeats: probes.append(ts) or {t: first.base * first(1, t) for t in ts})
     load_aware.batch_cost_cached(model, 2, log=lines.append)
     assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 3, 9)]
+
+
+def test_corrupt_verify_cost_cache_is_measured_again(tiny, tmp_path, monkeypatch):
+    from specloom.serving.load_aware import batch_cost_cached
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    lines = []
+    first = batch_cost_cached(model, 1, log=lines.append, budget_s=1.0)
+    files = list((tmp_path / "specloom" / "verify_cost").glob("*.json"))
+    assert len(files) == 1
+    for bad in ("{not json", '{"1x1": "fast"}', "[]"):
+        files[0].write_text(bad)
+        lines.clear()
+        cost = batch_cost_cached(model, 1, log=lines.append, budget_s=1.0)
+        assert any("unreadable: measuring it again" in m for m in lines), (bad, lines)
+        assert set(cost.seconds) == set(first.seconds)
+        json.loads(files[0].read_text())  # rewritten whole

@@ -94,8 +94,11 @@ def verify_cost_curve(model, refresh: bool = False) -> dict[int, float]:
         name = f"{key}-{dt}-t{torch.get_num_threads()}{host_tag(model)}{device_tag(model.device)}.json"
         path = os.path.join(cache_dir(), "verify_cost", name)
         if not refresh and os.path.isfile(path):
-            with open(path) as f:
-                return {int(k): v for k, v in json.load(f)["relative"].items()}
+            try:
+                with open(path) as f:
+                    return {int(k): float(v) for k, v in json.load(f)["relative"].items()}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                pass  # unreadable (cut short, corrupt): measured again below and rewritten
     secs = measure_verify_cost(model)
     rel = {n: s / secs[1] for n, s in secs.items()}
     if path:

@@ -255,9 +255,17 @@ def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None,
         name = (f"batch{CURVE_VERSION}-{key}-{str(model.dtype).replace('torch.', '')}"
                 f"-t{torch.get_num_threads()}-r{max_rows}{host_tag(model)}{device_tag(model.device)}.json")
         path = os.path.join(cache_dir(), "verify_cost", name)
+        cost = None
         if not refresh and os.path.isfile(path):
-            with open(path) as f:
-                cost = BatchCost.from_json(json.load(f))
+            try:
+                with open(path) as f:
+                    cost = BatchCost.from_json(json.load(f))
+                cost(cost.rows[0], cost.tokens[0])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError):
+                if log:
+                    log(f"verify cost curve cache {path} is unreadable: measuring it again")
+                cost = None
+        if cost is not None:
             # the cached shape, anchored to how fast the machine runs now (a curve measured while the host was
             # busier would otherwise take many passes of online calibration to come back), and checked at a few
             # multi-token points: a cached shape that this host no longer shows is measured again
