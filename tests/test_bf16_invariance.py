@@ -33,11 +33,11 @@ def smollm2_bf16():
     return model, tok
 
 
-def _passes(model, ids, P, chunks, masks=None):
+def _passes(model, ids, P, chunks, max_len=256):
     """Hidden states (every capture id) of ids[P:] fed in `chunks` after a prefill of ids[:P]."""
     L = model.config.num_layers
     cap = tuple(range(L + 1))
-    kv = model.new_kv(256)
+    kv = model.new_kv(max_len)
     with torch.inference_mode():
         model(torch.tensor([ids[:P]]), torch.arange(P)[None], kv)
         kv.commit()
@@ -88,6 +88,27 @@ def test_tree_path_equals_plain_decoding(smollm2_bf16):
     path = [0, 2, 3]
     for k in cap:
         assert torch.equal(out.hidden[k][:, path], plain[k]), f"hidden state {k} on the tree path differs"
+
+
+def test_sliding_window_layers_are_invariant_past_the_window():
+    """Gemma-3's sliding-window layers: a decode step reads only the last `window` slots, a verification pass
+    masks the same keys out; past the window the two still agree bit for bit."""
+    if not invariant_attention.available():
+        pytest.skip(f"invariant attention unavailable: {invariant_attention.unavailable_reason()}")
+    try:
+        resolve("gemma3-270m")
+    except SpecloomError as e:
+        pytest.skip(f"gemma3-270m not available: {e}")
+    model, tok = load_target("gemma3-270m", "bf16", progress=False, kernel=_exact_invariant_kernels()[0])
+    window = model.config.sliding_window
+    ids = (tok.encode(TEXT) * (window // 8))[: window + 40]
+    assert len(ids) == window + 40
+    P = len(ids) - 6
+    alone, la = _passes(model, ids, P, [1] * 6, max_len=len(ids) + 8)
+    other, lb = _passes(model, ids, P, [6], max_len=len(ids) + 8)
+    k = _first_difference(alone, other)
+    assert k is None, f"hidden state {k} differs past the sliding window"
+    assert torch.equal(la, lb)
 
 
 def test_bf16_greedy_speculation_is_plain_decoding(smollm2_bf16):

@@ -167,7 +167,7 @@ def test_llama_cpp_missing_is_one_clear_message(capsys, tmp_path, monkeypatch, n
     prompts.write_text('{"prompt": "hi"}\n')
     assert main(["bench", "smollm2-135m", "--prompts", str(prompts), "--baseline", f"hf,{name}"]) == 2
     err = capsys.readouterr().err
-    assert f"--baseline {name} needs llama-cpp-python" in err and "pip install 'specloom[llama]'" in err
+    assert f"--baseline {name} needs llama-cpp-python" in err and "scripts/install_llama_cpp.sh" in err
     assert "Traceback" not in err and err.count("\n") == 1
 
 
@@ -266,3 +266,42 @@ def test_llama_cpp_draft_program_on_smollm2(request):
     if not _same_as(plain, want, got):
         margin = divergence_margin(plain, ids, want, got.tokens)
         assert margin is not None and margin < 0.25, margin
+
+
+def test_a_llama_cpp_build_that_dies_is_named_in_one_line(monkeypatch):
+    """A llama-cpp-python that dies on this host (SIGILL in ggml's AMX path on an AMX Xeon) is caught in a child
+    process and named, with the rebuild command, instead of killing the benchmark."""
+    import signal
+    import subprocess
+
+    from specloom.bench.peers import llamacpp
+
+    class Died:
+        returncode, stderr = -signal.SIGILL, "amx repack tensor ..."
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Died())
+    with pytest.raises(SpecloomError, match=r"dies on this host with SIGILL.*scripts/install_llama_cpp.sh"):
+        llamacpp.check_runs("/x.gguf", "llama.cpp")
+
+    class Failed:
+        returncode, stderr = 1, "Traceback ...\nValueError: Failed to load model from file"
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: Failed())
+    with pytest.raises(SpecloomError, match="could not run /x.gguf: ValueError: Failed to load model"):
+        llamacpp.check_runs("/x.gguf", "llama.cpp")
+
+
+def test_hf_baseline_without_accelerate_is_one_clear_message(monkeypatch):
+    import importlib.util
+
+    from specloom.bench.peers import hf
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name, *a))
+    try:
+        resolve_ok = hf.resolve("smollm2-135m").kind == "gguf"
+    except SpecloomError:
+        pytest.skip("smollm2-135m not installed")
+    assert resolve_ok
+    with pytest.raises(SpecloomError, match="needs accelerate"):
+        peers.PEERS["hf"].preflight("smollm2-135m", None)

@@ -21,17 +21,24 @@ from ...loading import resolve
 from . import Peer, PeerRun, register
 
 
-def _transformers():
+def _transformers(model: str | None = None):
+    """transformers, and accelerate when the model is a GGUF file (HF loads a GGUF only with it): one clear
+    SpecloomError naming what to install otherwise."""
+    import importlib.util
+
     try:
         import transformers
     except ImportError:
         raise SpecloomError("the hf baselines need transformers: pip install transformers accelerate") from None
+    if model is not None and importlib.util.find_spec("accelerate") is None and resolve(model).kind == "gguf":
+        raise SpecloomError("the hf baselines load the GGUF file through HF transformers, which needs accelerate "
+                            "for that: pip install accelerate")
     return transformers
 
 
 def load_hf_fp32(model: str):
     """An HF causal LM in fp32 from an alias, a .gguf (dequantised by transformers) or an HF directory."""
-    AutoModelForCausalLM = _transformers().AutoModelForCausalLM
+    AutoModelForCausalLM = _transformers(model).AutoModelForCausalLM
     source = resolve(model)
     if source.kind == "gguf":
         folder, fname = os.path.dirname(source.path) or ".", os.path.basename(source.path)
@@ -60,7 +67,7 @@ class _PassCounter:
 class _HFPeer(Peer):
     @classmethod
     def preflight(cls, model, draft_model):
-        _transformers()
+        _transformers(model)
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -104,7 +111,7 @@ _NEED_DRAFT = ("--baseline hf-assisted needs a draft model: --baseline-draft MOD
 class HFAssisted(_HFPeer):
     @classmethod
     def preflight(cls, model, draft_model):
-        _transformers()
+        _transformers(model)
         if not draft_model:
             raise SpecloomError(_NEED_DRAFT)
         resolve(draft_model)

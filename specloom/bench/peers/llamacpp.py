@@ -17,7 +17,8 @@ from ...errors import SpecloomError
 from ...loading import resolve
 from . import Peer, PeerRun, register
 
-INSTALL_HINT = "pip install 'specloom[llama]'  (llama-cpp-python 0.3.36; it builds llama.cpp from source: a few minutes)"
+INSTALL_HINT = ("bash scripts/install_llama_cpp.sh  (llama-cpp-python 0.3.36 built from source for this CPU's "
+                "instruction sets, without ggml's AMX path: a few minutes)")
 
 
 def import_llama_cpp(baseline: str):
@@ -39,6 +40,31 @@ def gguf_path(model: str, baseline: str) -> str:
         raise SpecloomError(f"--baseline {baseline} runs llama.cpp on a GGUF file; {model} is an HF directory "
                             f"({source.path}): bench a .gguf file or an alias")
     return source.path
+
+
+def check_runs(path: str, baseline: str, timeout: float = 300.0) -> None:
+    """Load the GGUF and evaluate two tokens with llama-cpp-python in a child process: a build that dies on this
+    host (e.g. SIGILL in ggml's AMX repacking, seen on an AMX Xeon with the default native build) is named in one
+    line instead of killing the benchmark."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_batch=64, "
+            "verbose=False); m.eval([1, 2]); m.close()")
+    try:
+        p = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SpecloomError(f"--baseline {baseline}: llama-cpp-python did not load {path} within "
+                            f"{timeout:.0f} s") from None
+    if p.returncode < 0:
+        name = signal.Signals(-p.returncode).name
+        raise SpecloomError(f"--baseline {baseline}: llama-cpp-python dies on this host with {name} (its build "
+                            f"uses instructions this CPU does not run, e.g. ggml's AMX path); rebuild it: "
+                            f"{INSTALL_HINT}")
+    if p.returncode != 0:
+        last = (p.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SpecloomError(f"--baseline {baseline}: llama-cpp-python could not run {path}: {last}")
 
 
 class _LlamaPeer(Peer):
@@ -76,7 +102,7 @@ class _LlamaPeer(Peer):
     @classmethod
     def preflight(cls, model, draft_model):
         import_llama_cpp(cls.name)
-        gguf_path(model, cls.name)
+        check_runs(gguf_path(model, cls.name), cls.name)
 
     @property
     def label(self) -> str:
