@@ -211,8 +211,10 @@ def test_probe_times_whole_passes_is_cached_and_heals(tmp_path, monkeypatch):
     # a corrupt cache is measured again, not a traceback
     files[0].write_text("{not json")
     calls.clear()
-    kernel_choice(m, "auto", "cpu")
+    lines = []
+    kernel_choice(m, "auto", "cpu", log=lines.append)
     assert calls and calls[-1] is None
+    assert any("kernel probe cache" in x and "unreadable: measuring again" in x for x in lines), lines
     json.loads(files[0].read_text())  # rewritten whole
 
 
