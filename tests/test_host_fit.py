@@ -589,3 +589,21 @@ def test_corrupt_verify_cost_cache_is_measured_again(tiny, tmp_path, monkeypatch
         assert any("unreadable: measuring it again" in m for m in lines), (bad, lines)
         assert set(cost.seconds) == set(first.seconds)
         json.loads(files[0].read_text())  # rewritten whole
+
+
+def test_a_burst_of_other_work_does_not_remeasure_the_curve(tiny, tmp_path, monkeypatch):
+    """The shape check looks twice before measuring again: a first probe slowed by a burst of other work (its
+    multi-token passes 1.6 decode steps where the curve says ~1) is overruled by the fastest of both looks."""
+    from specloom.serving import load_aware
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    first = load_aware.batch_cost_cached(model, 1)
+    calm = {1: first.base, 3: first.base * first(1, 3), 9: first.base * first(1, 9)}
+    looks = [{1: calm[1], 3: 1.6 * calm[3] * 1.5, 9: 1.6 * calm[9] * 1.5}, calm]
+    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: looks.pop(0))
+    monkeypatch.setattr(load_aware, "measure_batch_cost", lambda *a, **k: pytest.fail("measured again"))
+    lines = []
+    again = load_aware.batch_cost_cached(model, 1, log=lines.append)
+    assert not looks and "read from" in lines[-1], lines
+    assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)
