@@ -19,18 +19,23 @@ def _exact_invariant_kernels():
     return [k for k in kernel_probe.exact_candidates(torch.bfloat16, "cpu") if k != "native"] or ["native"]
 
 
-@pytest.fixture(scope="module")
-def smollm2_bf16():
+def _load_bf16(alias: str):
+    """The real checkpoint in bf16 on an exact kernel (onednn on a oneDNN-bf16 host, invariant elsewhere), or a
+    skip naming what is missing."""
     if not invariant_attention.available():
         pytest.skip(f"invariant attention unavailable: {invariant_attention.unavailable_reason()}")
     try:
-        resolve("smollm2-135m")
+        resolve(alias)
     except SpecloomError as e:
-        pytest.skip(f"smollm2-135m not available: {e}")
-    kernel = _exact_invariant_kernels()[0]  # onednn on a oneDNN-bf16 host, invariant elsewhere
-    model, tok = load_target("smollm2-135m", "bf16", progress=False, kernel=kernel)
+        pytest.skip(f"{alias} not available: {e}")
+    model, tok = load_target(alias, "bf16", progress=False, kernel=_exact_invariant_kernels()[0])
     assert model.uses_invariant_attention()
     return model, tok
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    return _load_bf16("smollm2-135m")
 
 
 def _passes(model, ids, P, chunks, max_len=256):
@@ -93,13 +98,7 @@ def test_tree_path_equals_plain_decoding(smollm2_bf16):
 def test_sliding_window_layers_are_invariant_past_the_window():
     """Gemma-3's sliding-window layers: a decode step reads only the last `window` slots, a verification pass
     masks the same keys out; past the window the two still agree bit for bit."""
-    if not invariant_attention.available():
-        pytest.skip(f"invariant attention unavailable: {invariant_attention.unavailable_reason()}")
-    try:
-        resolve("gemma3-270m")
-    except SpecloomError as e:
-        pytest.skip(f"gemma3-270m not available: {e}")
-    model, tok = load_target("gemma3-270m", "bf16", progress=False, kernel=_exact_invariant_kernels()[0])
+    model, tok = _load_bf16("gemma3-270m")
     window = model.config.sliding_window
     ids = (tok.encode(TEXT) * (window // 8))[: window + 40]
     assert len(ids) == window + 40

@@ -12,7 +12,7 @@ from torch import nn
 
 from specloom import Engine, SpecloomError
 from specloom.bench import kernel_probe
-from specloom.bench.kernel_probe import KernelChoice, choose_kernels, kernel_choice
+from specloom.bench.kernel_probe import choose_kernels, kernel_choice
 from specloom.host import host_info, host_key, host_line
 from specloom.models import cpu_packing
 from specloom.serving.load_aware import BatchCost, DepthPolicy, drafter_prior_tau, geometric_tokens, tau_to_alpha

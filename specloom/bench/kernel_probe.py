@@ -238,8 +238,8 @@ def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str =
         chosen = best
         reason = f"{chosen}: the most tokens/s for {what}"
         if best_inv is None:
-            notes.append(f"no kernel is batch-invariant on this host: bf16 speculative output can part from plain "
-                         f"decoding at a near-tie (use --dtype fp32 for identical outputs)")
+            notes.append("no kernel is batch-invariant on this host: bf16 speculative output can part from plain "
+                         "decoding at a near-tie (use --dtype fp32 for identical outputs)")
         else:
             notes.append(f"{best_inv} is batch-invariant (bf16 speculative output = plain decoding bit for bit) but "
                          f"{1 - rate[best_inv] / rate[best]:.0%} slower here: --linear-kernel {best_inv} to prefer it")

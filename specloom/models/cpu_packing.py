@@ -75,9 +75,6 @@ def kernel_available(name: str, dtype: torch.dtype, device: torch.device | str) 
     return False
 
 
-BATCH_INVARIANT = ("invariant",)  # a product's bits do not depend on how many rows share the pass
-
-
 def changes_numerics(name: str, dtype: torch.dtype) -> bool:
     """Whether kernel `name` computes something else than `F.linear` on the model's own weights would."""
     return name in NUMERICS_CHANGING and not (name == "fp32" and dtype == torch.float32)

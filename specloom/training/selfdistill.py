@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..atomic import remove_stale, replacing, write_json, write_text
+from ..atomic import remove_stale, write_json, write_text
 from ..errors import SpecloomError
 from .magpie import ChatFrame, QueryFilter
 
