@@ -329,7 +329,7 @@ def test_a_drafters_catch_up_is_not_priced_as_drafting():
         backlog = k > 0 and state["last"] == 0  # the first drafted step, or the first after a pause
         state["last"] = k
         per_depth = 0.02 * (2.5 if backlog else 0.5)
-        return StepReport(1, len(tree), pol.cost(1, len(tree)), per_depth * k, [tree], [k])
+        return StepReport(1, len(tree), 0.02 * pol.cost(1, len(tree)), per_depth * k, [tree], [k])  # seconds
 
     for request, steps in enumerate((2, 20, 20)):  # a short warm-up request (as `--compare-plain` runs), then two
         state["last"] = 0

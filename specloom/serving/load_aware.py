@@ -124,15 +124,31 @@ class BatchCost:
                 break
         return self.seconds[(r, a)] + (self.seconds[(r, b)] - self.seconds[(r, a)]) * (t - a) / (b - a)
 
-    def observe(self, n: int, t: int, seconds: float, weight: float = 0.1) -> None:
-        """Calibrate online with a measured pass: scale the nearest grid point towards what this pass cost
-        relative to the curve's prediction (start-up measurements use a 128-token context; real contexts differ)."""
+    def observe(self, n: int, t: int, seconds: float, weight: float = 0.2) -> None:
+        """Calibrate online with a measured pass: scale the grid points around (n, t) towards what this pass cost
+        relative to the curve's prediction, each by its share in the interpolation (start-up measurements use a
+        128-token context; real contexts differ, and a wide pass's attention grows with them)."""
         if self.frozen:
             return
-        n0 = min(self.rows, key=lambda r: abs(math.log(r / n)))
-        t0 = min(self.tokens, key=lambda x: abs(x - t))
-        ratio = seconds / self._interp(n, t)
-        self.seconds[(n0, t0)] *= (1 - weight) + weight * min(max(ratio, 0.25), 4.0)
+        ratio = min(max(seconds / self._interp(n, t), 0.25), 4.0)
+        for key, share in self._corners(n, t):
+            self.seconds[key] *= 1 + weight * share * (ratio - 1)
+
+    def _corners(self, n: float, t: float) -> list[tuple[tuple[int, int], float]]:
+        """The grid points that (n, t) interpolates between, with their weights (clamped to the grid's edges)."""
+        def bracket(xs, x):
+            if len(xs) == 1 or x <= xs[0]:
+                return [(xs[0], 1.0)]
+            if x >= xs[-1]:
+                return [(xs[-1], 1.0)]
+            for a, b in zip(xs, xs[1:]):
+                if x <= b:
+                    f = (x - a) / (b - a)
+                    return [(a, 1 - f), (b, f)]
+            return [(xs[-1], 1.0)]
+
+        rows = [(self.rows[0], 1.0)] if len(self.rows) == 1 else bracket(self.rows, n)
+        return [((nn, tt), wn * wt) for nn, wn in rows for tt, wt in bracket(self.tokens, t) if wn * wt > 0]
 
     def rescale(self, factor: float) -> None:
         """Every point times `factor`: the same shape on a machine that now runs faster or slower."""
@@ -397,7 +413,11 @@ class DepthPolicy:
         # (nor, through the running average, the next rows); a row whose drafts are rejected step after step
         # (a writing prompt for a code draft model) stops within a few steps instead of paying for all eight
         self.trial = 8
-        self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen
+        self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen ...
+        # ... times how much the policy's own predictions of drafted steps have run high (`optimism`): decayed sums
+        # of expected and emitted tokens and of predicted and measured step cost, drafted steps against plain ones
+        self._drafted = [0.0, 0.0, 0.0, 0.0]  # expected tokens, emitted tokens, predicted cost, measured cost
+        self._plain = [0.0, 0.0]  # predicted cost, measured cost
         self.last_k = 0
 
     @classmethod
@@ -481,17 +501,55 @@ class DepthPolicy:
         else:
             n = len(alphas)
             top = min(self.max_k, max(caps))
-            base = self._rate(alphas, 0, n) * self.margin
+            need = self.need()
+            base = self._rate(alphas, 0, n) * need
             k_batch = max(range(top + 1), key=lambda k: (self._rate(alphas, k, n) if k == 0 or
                                                           self._rate(alphas, k, n) > base else 0.0, -k))
             ks = []
             for a, c in zip(alphas, caps):
                 share = [geometric_tokens(a, k) / (self.cost(n, self.nodes(k)) / n + k * self.draft_cost)
                          for k in range(min(k_batch, c) + 1)]
-                ks.append(max(range(len(share)), key=lambda k: (share[k] if k == 0 or share[k] > share[0] *
-                                                                self.margin else 0.0, -k)))
+                ks.append(max(range(len(share)), key=lambda k: (share[k] if k == 0 or share[k] > share[0] * need
+                                                                else 0.0, -k)))
+            if not self.batch_pays(alphas, ks):
+                ks = [0] * n
         self.last_k = max(ks, default=0)
         return ks
+
+    def optimism(self) -> float:
+        """How far drafted steps have fallen short of what the policy expected of them, relative to plain steps:
+        (expected / emitted tokens) x (measured / predicted cost of drafted steps) / (the same cost ratio of plain
+        steps), over decayed recent steps; 1 until there is evidence, never below 1, at most 1.5. It covers what
+        the model gets wrong: attention that grows with longer contexts than the curve's, acceptance judged at a
+        prior during a row's trial, trees priced as chains. (A step in which a drafter catches up is left out.)"""
+        exp, got, pred, meas = self._drafted
+        p_pred, p_meas = self._plain
+        if got < 16 or pred <= 0 or meas <= 0:
+            return 1.0
+        plain = p_meas / p_pred if p_pred > 0 and p_meas > 0 else 1.0
+        return min(max(exp / got * meas / pred / plain, 1.0), 1.5)
+
+    def need(self) -> float:
+        """The factor by which a depth must beat plain decoding to be chosen."""
+        return self.margin * self.optimism()
+
+    def _account(self, expected: float, emitted: int, predicted: float, measured: float, drafted: bool,
+                 decay: float = 0.97) -> None:
+        if drafted:
+            for i, v in enumerate((expected, emitted, predicted, measured)):
+                self._drafted[i] = self._drafted[i] * decay + v
+        else:
+            self._plain = [self._plain[0] * decay + predicted, self._plain[1] * decay + measured]
+
+    def batch_pays(self, alphas: list[float], ks: list[int]) -> bool:
+        """Whether these per-row depths pay for the pass they make: every row is padded to the widest draft, so
+        two rows drafting one deep in a pass of sixteen widen all sixteen (a share per row does not see that)."""
+        n = len(ks)
+        if not any(ks):
+            return True
+        tokens = sum(geometric_tokens(a, k) for a, k in zip(alphas, ks))
+        cost = self.cost(n, max(self.nodes(k) for k in ks)) + sum(ks) * self.draft_cost
+        return tokens / cost > self.need() * n / self.cost(n, 1)
 
     def alpha(self, acc: Acceptance) -> float:
         """A row's acceptance as the policy judges it: its own, during its trial steps floored at the prior or at
@@ -502,12 +560,14 @@ class DepthPolicy:
             return acc.alpha
         return max(acc.alpha, min(self.prior_alpha, acc.upper()))
 
+
     def run_step(self, stepper, rows: list, caps: list[int] | None = None):
         """One step of `rows` (pool rows 0..n-1) at the depths this policy picks; returns (StepReport, depths)."""
         drafter = stepper.drafter
         if caps is None:
             caps = [r.cap(drafter) for r in rows]
-        ks = self.choose([self.alpha(r.acc) for r in rows], caps)
+        alphas = [self.alpha(r.acc) for r in rows]
+        ks = self.choose(alphas, caps)
         probed = set()
         if self.mode == "load_aware":
             for i, (r, k, c) in enumerate(zip(rows, ks, caps)):
@@ -548,6 +608,15 @@ class DepthPolicy:
                 # c = 1 now), since both slow down alike when the host is busy; a calibrated curve (serving)
                 # follows the machine itself, a frozen (forced) one defines its own unit
                 unit = rep.pass_seconds / self.cost(n, rep.width)
+            if unit and rep.pass_seconds > 0 and not backlog:  # before calibration: what the curve predicted
+                # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
+                drafted_rows = [k for i, k in enumerate(ks) if k > 0 and i not in free]
+                predicted = self.cost(n, rep.width) + sum(drafted_rows) * self.draft_cost
+                measured = (rep.pass_seconds + rep.draft_seconds) / unit
+                if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
+                    predicted = measured = 1.0
+                self._account(sum(geometric_tokens(a, k) for a, k in zip(alphas, ks)),
+                              sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1)
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
         for i, (r, tree, acc) in enumerate(zip(rows, rep.trees, rep.accepted)):
@@ -581,7 +650,7 @@ class DepthPolicy:
         taken = set()
         for i, (tree, e) in sorted(((i, o) for i, o in zip(idle, offers) if o is not None), key=lambda x: -x[1][1]):
             w = max(width, len(tree))
-            if (tokens + e) / self.cost(n, w) > self.margin * tokens / self.cost(n, width):
+            if (tokens + e) / self.cost(n, w) > self.need() * tokens / self.cost(n, width):
                 tokens, width = tokens + e, w
                 ks[i] = max(1, min(tree.max_depth, caps[i]))
                 taken.add(i)
