@@ -35,7 +35,8 @@ import torch  # noqa: E402
 from specloom.engine import Engine, load  # noqa: E402
 from specloom.sampling import SamplingParams  # noqa: E402
 from specloom.speculative import SpeculativeConfig  # noqa: E402
-from specloom.step import TREE_SLACK, Request, Stepper  # noqa: E402
+from specloom.step import Request, Stepper
+from specloom.kv import TREE_SLACK  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 

@@ -25,7 +25,8 @@ import torch  # noqa: E402
 
 from specloom.engine import load  # noqa: E402
 from specloom.sampling import SamplingParams  # noqa: E402
-from specloom.step import TREE_SLACK, Request, Stepper  # noqa: E402
+from specloom.step import Request, Stepper
+from specloom.kv import TREE_SLACK  # noqa: E402
 
 
 def read_prompts(path: str, tokenizer, count: int, max_len: int) -> list[list[int]]:

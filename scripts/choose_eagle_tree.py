@@ -1,6 +1,6 @@
 """Choose an EAGLE drafter's default tree shape (depth, tree_width, num_draft_tokens) on this host from its
 verify-cost curve, the drafter's measured acceptance per depth and its measured drafting cost (the method is in
-specloom/drafters/eagle/shape.py); optionally store it in the drafter's config.json (`--write`), where
+specloom/bench/eagle_shape.py); optionally store it in the drafter's config.json (`--write`), where
 `--speculative-config` defaults come from. Run it again for a retrained drafter or another machine.
 
     python scripts/choose_eagle_tree.py smollm2-135m [--method eagle3] [--model DIR] \
@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
-from specloom.bench.verify_cost import verify_cost_curve  # noqa: E402
-from specloom.drafters.eagle import shape  # noqa: E402
+from specloom.cost import verify_cost_curve  # noqa: E402
+from specloom.bench import eagle_shape as shape  # noqa: E402
 from specloom.engine import load  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def main() -> None:
                   progress=False, speculation="fixed")
     d = engine.drafter
     curve = verify_cost_curve(engine.model, refresh=a.refresh_curve)
-    print("verify cost v(n):", {n: round(x, 2) for n, x in curve.items()}, file=sys.stderr, flush=True)
+    print("verify cost v(n):", {n: round(x, 2) for n, x in curve.relative().items()}, file=sys.stderr, flush=True)
     prompts = read_prompts(a.prompts, engine, a.num_prompts, a.max_len)
     costs = shape.drafting_costs(engine, prompts[0], a.widths, samples=a.cost_samples)
     print(f"drafting cost (target steps): c0 {costs.c0:.3f}, c1 " +

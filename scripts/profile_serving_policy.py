@@ -3,9 +3,9 @@ what the step did; modes interleaved twice. `ROWS=16 python scripts/profile_serv
 import json, sys, time, collections, os
 import torch
 import specloom
-from specloom.serving.batch import BatchScheduler, Sequence
+from specloom.scheduler import BatchScheduler, Sequence
 from specloom.sampling import SamplingParams
-from specloom.serving import load_aware as LA
+from specloom import depth as LA
 ROWS = int(os.environ.get("ROWS", 4))
 eng = specloom.load("smollm2-135m", {"method": "eagle3"}, progress=False)
 prompts = [json.loads(l)["turns"][0] for l in open("../shared/data/eval/spec_bench.jsonl")][::(37 if ROWS <= 4 else 13)][:2 * ROWS]

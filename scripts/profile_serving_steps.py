@@ -2,7 +2,7 @@
 import json, sys, time, collections
 import torch
 import specloom
-from specloom.serving.batch import BatchScheduler, Sequence
+from specloom.scheduler import BatchScheduler, Sequence
 from specloom.sampling import SamplingParams
 from specloom import step as step_mod
 
@@ -19,7 +19,7 @@ def timed(self, rows):
 step_mod.Stepper.step = timed
 def run(mode, rows=4):
     acc.clear()
-    from specloom.serving.load_aware import batch_cost_cached
+    from specloom.cost import batch_cost_cached
     cost = batch_cost_cached(eng.model, rows) if mode == "load_aware" else None
     s = BatchScheduler(eng, rows, mode=mode, cost=cost, start=False, max_queue=1 << 20)
     seqs = [Sequence(list(x), 64, SamplingParams(temperature=0.0)) for x in ids]
@@ -34,7 +34,7 @@ def run(mode, rows=4):
     toks = sum(len(q.result.token_ids) for q in seqs)
     return wall, toks, dict(acc)
 import os
-from specloom.serving import load_aware as LA
+from specloom import depth as LA
 if os.environ.get("TRIAL"):
     _init = LA.DepthPolicy.__init__
     def _i(self, *a, **k):

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, ".")
 from specloom.bench.harness import read_prompts  # noqa: E402
 from specloom.engine import load  # noqa: E402
-from specloom.serving.load_aware import DepthPolicy  # noqa: E402
+from specloom.depth import DepthPolicy  # noqa: E402
 
 
 def main():

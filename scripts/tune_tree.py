@@ -18,7 +18,7 @@ import sys
 import time
 
 
-from specloom.bench.verify_cost import interpolate, verify_cost_curve
+from specloom.cost import verify_cost_curve
 from specloom.engine import Engine, load
 from specloom.speculative import SpeculativeConfig
 
@@ -44,7 +44,8 @@ def main() -> None:
 
     plain = load(a.target)
     m, tok = plain.model, plain.tokenizer
-    v = verify_cost_curve(m)
+    curve = verify_cost_curve(m)
+    v = curve.relative()
     print("verify cost v(n):", {n: round(x, 2) for n, x in v.items()}, file=sys.stderr)
     with open(a.prompts) as f:
         texts = [json.loads(line)["turns"][0] for line in f if line.strip()][-200:]
@@ -80,11 +81,11 @@ def main() -> None:
         tau = (toks - len(ids)) / max(passes - len(ids), 1)
         c = statistics.mean(draft_t) / step
         n = nodes if nodes else len(e.drafter.choices)
-        pred = tau / (interpolate(v, n + 1) + c)
+        pred = tau / (curve(1, n + 1) + c)
         rows.append({"depth": depth, "tree_width": width, "num_draft_tokens": n, "tau": tau, "draft_cost": c,
-                     "verify_cost": interpolate(v, n + 1), "predicted_speedup": pred,
+                     "verify_cost": curve(1, n + 1), "predicted_speedup": pred,
                      "measured_speedup": t_plain / secs})
-        print(f"depth {depth} width {width} nodes {n}: tau {tau:.2f}, drafting {c:.2f} steps, v {interpolate(v, n + 1):.2f}"
+        print(f"depth {depth} width {width} nodes {n}: tau {tau:.2f}, drafting {c:.2f} steps, v {curve(1, n + 1):.2f}"
               f" -> predicted {pred:.2f}x, measured {t_plain / secs:.2f}x", file=sys.stderr, flush=True)
     best = max(rows, key=lambda r: r["predicted_speedup"])
     print("chosen:", json.dumps(best))

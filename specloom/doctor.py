@@ -94,7 +94,7 @@ def checkpoint_findings(engine) -> tuple[str | None, list[str], dict | None, flo
     """(a): the drafter's checkpoint, the structural differences, the behavioural distance and the manifest tau."""
     from .behaviour import memoised_distance
     from .fingerprint import compare, fingerprint
-    from .serving.load_aware import drafter_prior_tau
+    from .drafters.checkpoint import drafter_prior_tau
 
     d = engine.drafter
     ck = d.checkpoint or {}
@@ -150,7 +150,8 @@ def predict(engine, tau: float, draft_seconds: float, drafted_steps: int, cost=N
                                                                                              float]:
     """(c): expected speed-up per depth on this host's verify-cost curve at acceptance `tau`. Returns (by depth,
     best speed-up, best depth, the curve's points in 1-token passes, drafting cost per depth)."""
-    from .serving.load_aware import DepthPolicy, batch_cost_cached, tau_to_alpha
+    from .depth import DepthPolicy, tau_to_alpha
+    from .cost import batch_cost_cached
 
     d = engine.drafter
     k_max = d.num_speculative_tokens
@@ -215,7 +216,7 @@ def run_doctor(engine, prompts: list[str] | None = None, max_tokens: int = 48, m
     probe = acceptance_probe(engine, prompts, max_tokens, measure_plain)
     by_depth, best, best_k, curve, draft_cost = predict(engine, probe["tau"], probe["draft_seconds"],
                                                        probe["drafted_steps"], cost)
-    from .serving.load_aware import DepthPolicy
+    from .depth import DepthPolicy
 
     margin = DepthPolicy("off", 0).margin
     verdict, reason = judge(diffs, behaviour, best, best_k, margin, probe["tau"], tau_expected, draft_cost)

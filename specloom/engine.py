@@ -4,7 +4,7 @@
 same code as the serving scheduler (step.py), over a KV store of one row:
 
     row = stepper.new_row(request, 0); stepper.prefill(row, len(prompt))       # chunked; samples the first token
-    policy.admit(row, drafter)            # DepthPolicy (serving/load_aware.py), the scheduler's mechanism
+    policy.admit(row, drafter)            # DepthPolicy (depth.py), the scheduler's mechanism
     while not row.finish:
         policy.run_step(stepper, [row])   # depth from the cost curve and this request's acceptance, then
                                           # propose -> prune -> one target pass -> mask -> verify -> commit
@@ -29,7 +29,8 @@ from .models import DecoderLM, ForwardOutput
 from .results import GenerationResult, StopChecker, acceptance_rates, mean_accepted_length  # noqa: F401
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
-from .step import TREE_SLACK, Request, Stepper
+from .step import Request, Stepper
+from .kv import TREE_SLACK
 from .tokenizer import Tokenizer
 
 
@@ -45,7 +46,7 @@ class Engine:
         speculation: str = "fixed",
         cost=None,
     ):
-        from .serving.load_aware import MODE_ALIASES, MODES
+        from .depth import MODE_ALIASES, MODES
 
         mode = MODE_ALIASES.get(speculation, speculation)
         if mode not in MODES:
@@ -69,7 +70,8 @@ class Engine:
     def depth_policy(self):
         """The engine's `DepthPolicy` (kept across requests: drafting cost, tree size and acceptance learned
         online); None without a drafter or with speculation off."""
-        from .serving.load_aware import DepthPolicy, batch_cost_cached, drafter_prior_tau
+        from .cost import batch_cost_cached
+        from .depth import DepthPolicy
 
         if self.drafter is None or self.speculation == "off":
             return None
@@ -80,10 +82,18 @@ class Engine:
 
                 self.cost = batch_cost_cached(self.model, 1, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
                                                                                    flush=True))
-            prior = drafter_prior_tau(self.drafter, self.speculative_config, self.model.config)
             self._policy = DepthPolicy.for_drafter(mode, self.drafter, self.cost if mode == "load_aware" else None,
-                                                   prior, calibrate=False)
+                                                   self.prior_tau(), calibrate=False)
         return self._policy
+
+    def prior_tau(self) -> float | None:
+        """The drafter's measured tau (its checkpoint manifest's figure; None without one or without a drafter):
+        the depth policy's prior acceptance, here and in the scheduler."""
+        from .drafters.checkpoint import drafter_prior_tau
+
+        if self.drafter is None:
+            return None
+        return drafter_prior_tau(self.drafter, self.speculative_config, self.model.config)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None, chat: bool = False) -> list[int]:
@@ -150,7 +160,7 @@ class Engine:
         kv = self._kv_for(len(ids) + max_tokens + TREE_SLACK)
         policy = self.depth_policy()
         if policy is None:
-            from .serving.load_aware import DepthPolicy
+            from .depth import DepthPolicy
 
             policy = DepthPolicy("off", 0)
         stepper = Stepper(self.model, self.drafter if policy.mode != "off" else None, kv, self.tokenizer,
@@ -235,7 +245,7 @@ def load(
         raise SpecloomError(f"unknown linear kernel {linear_kernel!r} (auto, {', '.join(KERNELS)})")
     drafting = None
     if spec is not None and speculation != "off":  # the kernel is chosen for speculation, not plain decoding
-        from .bench.kernel_probe import MULTI, Drafting
+        from .host.kernel_choice import MULTI, Drafting
 
         drafting = Drafting(width=min(1 + spec.num_speculative_tokens, 16) if spec.num_speculative_tokens else MULTI)
     target, tokenizer = load_target(model, dtype, progress=progress, device=dev, kernel=linear_kernel,

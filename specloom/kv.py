@@ -33,6 +33,8 @@ import torch
 from .errors import SpecloomError
 from .kv_quant import SCALE_DTYPE, KVType, kv_type
 
+TREE_SLACK = 256  # KV slots beyond a sequence for the nodes of one draft tree (every store keeps them)
+
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: "torch.dtype | KVType | str") -> int:
     """Bytes of keys and values for one token of one row at KV type `dtype` (a quantized type's scales included)."""

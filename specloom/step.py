@@ -28,6 +28,7 @@ import torch
 from .constraint import Constraint
 from .drafters.base import DraftContext
 from .errors import SpecloomError
+from .kv import TREE_SLACK
 from .models import ForwardOutput
 from .results import GenerationResult, Stats, StopChecker, mean_accepted_length
 from .sampling import SamplingParams, sample_token
@@ -35,8 +36,6 @@ from .tree import DraftTree
 from .verify import verify
 
 log = logging.getLogger("specloom")
-
-TREE_SLACK = 256  # KV slots beyond the sequence for the nodes of one draft tree
 
 
 @dataclass

@@ -19,10 +19,11 @@ import torch
 from specloom import Engine
 from specloom.drafters.base import Drafter
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, Sequence
-from specloom.serving.load_aware import BatchCost, tau_to_alpha
+from specloom.scheduler import BatchScheduler, Sequence
+from specloom.cost import BatchCost
+from specloom.depth import tau_to_alpha
 from specloom.serving.metrics import Metrics
-from specloom.serving.monitor import AcceptanceMonitor
+from specloom.serving.monitor import AcceptanceMonitor, attach_monitor
 from specloom.speculative import SpeculativeConfig
 from specloom.tree import DraftTree
 
@@ -213,10 +214,9 @@ def _scheduler(t, drafter, log_steps):
     engine = Engine(t.model, t.tokenizer, max_model_len=256)
     engine.drafter = drafter
     sch = BatchScheduler(engine, rows=WAVE, mode="load_aware", cost=cost)
-    # a quarter of the default window (and checks), so that a swap shows within a few waves of four requests
-    default = sch.monitor
-    sch.monitor = AcceptanceMonitor(default.expected_tau, default.depth, window=128, min_steps=64, check_every=32)
-    sch.monitor.action = default.action
+    # the server's monitor, with a quarter of the default window (and checks), so that a swap shows within a few
+    # waves of four requests
+    attach_monitor(sch, window=128, min_steps=64, check_every=32)
     step = sch.stepper.step
 
     def logged(rows):

@@ -1,4 +1,4 @@
-"""Continuous batching with speculation (serving/batch.py, kv_pool.py): sequences that join and leave between
+"""Continuous batching with speculation (scheduler.py, kv.py): sequences that join and leave between
 steps, each with its own drafter state and ragged draft tree padded into one target pass, give exactly what each
 gives alone -- for every drafter kind, with everything accepted (self-draft) and nothing accepted (random
 drafters), on tiny fp32 targets; the sampling distribution is unchanged; cancelled sequences free their row at
@@ -15,8 +15,9 @@ from specloom import Engine, SpecloomError
 from specloom.drafters.checkpoint import specloom_meta
 from specloom.drafters.mtp.format import save_into_target
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, QueueFull, Sequence
-from specloom.serving.load_aware import Acceptance, BatchCost, DepthPolicy
+from specloom.scheduler import BatchScheduler, QueueFull, Sequence
+from specloom.depth import Acceptance, DepthPolicy
+from specloom.cost import BatchCost
 from specloom.speculative import SpeculativeConfig
 from test_block_drafters import make_block, save as save_block
 from test_hidden_drafters import make_eagle, make_medusa

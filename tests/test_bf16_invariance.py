@@ -7,7 +7,7 @@ pass width."""
 import pytest
 import torch
 
-from specloom.bench import kernel_probe
+from specloom.host import kernel_choice as kernel_probe
 from specloom.errors import SpecloomError
 from specloom.loading import load_target, resolve
 from specloom.models import invariant_attention

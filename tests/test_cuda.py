@@ -212,7 +212,7 @@ def test_greedy_speculative_equals_plain_on_device(dev_setup, kind):
 @on_device
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "dflash", "dspark"])
 def test_batched_greedy_equals_plain_on_device(dev_setup, kind):
-    from specloom.serving.batch import BatchScheduler, Sequence
+    from specloom.scheduler import BatchScheduler, Sequence
 
     model, tok, specs = dev_setup
     plain = Engine(model, tok, max_model_len=256)
@@ -234,7 +234,7 @@ def test_batched_greedy_equals_plain_on_device(dev_setup, kind):
 def test_sampling_runs_on_device(dev_setup, kind):
     """Sampling (generator on the device, the batched verifier): seeded runs repeat, differ across seeds, and a
     seeded sequence gives the same tokens batched as alone."""
-    from specloom.serving.batch import BatchScheduler, Sequence
+    from specloom.scheduler import BatchScheduler, Sequence
 
     model, tok, specs = dev_setup
     e = _spec_engine(model, tok, specs[kind])

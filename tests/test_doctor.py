@@ -12,7 +12,7 @@ from specloom import Engine
 from specloom.cli import main
 from specloom.doctor import run_doctor
 from specloom.errors import SpecloomError
-from specloom.serving.load_aware import BatchCost
+from specloom.cost import BatchCost
 from specloom.speculative import SpeculativeConfig
 
 from test_behavioural_fingerprint import drafter_dir, perturbed, target  # noqa: F401  (fixtures)

@@ -19,7 +19,8 @@ from specloom.drafters.eagle.model import EagleDraftModel, eagle_config_for, ini
 from specloom.drafters.mtp.format import save_into_target
 from specloom.sampling import SamplingParams
 from specloom.speculative import SpeculativeConfig
-from specloom.step import TREE_SLACK, Request, Stepper
+from specloom.step import Request, Stepper
+from specloom.kv import TREE_SLACK
 from test_hidden_drafters import make_eagle
 from test_mtp import random_mtp
 
@@ -259,7 +260,7 @@ def _walk(tree, truth):
 
 
 def test_shape_replay_matches_the_drafter(specs):
-    from specloom.drafters.eagle import shape
+    from specloom.bench import eagle_shape as shape
 
     t, spec = specs
     e = make_engine(t, spec["eagle3"])
@@ -286,7 +287,7 @@ def test_shape_replay_matches_the_drafter(specs):
 
 
 def test_shape_choice_takes_the_cheapest_within_one_standard_error():
-    from specloom.drafters.eagle.shape import choose
+    from specloom.bench.eagle_shape import choose
 
     def row(name, cost, taus):
         return {"name": name, "verify_cost": cost, "draft_cost": 0.0, "tau_by_prompt": dict(enumerate(taus)),

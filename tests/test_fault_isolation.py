@@ -16,7 +16,7 @@ import pytest
 
 from specloom import Engine
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, Sequence
+from specloom.scheduler import BatchScheduler, Sequence
 from specloom.serving.schema_satisfiable import unsatisfiable
 from specloom.speculative import SpeculativeConfig
 

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from specloom import Engine, SpecloomError
-from specloom.bench import kernel_probe
-from specloom.bench.kernel_probe import choose_kernels, kernel_choice
+from specloom.host import kernel_choice as kernel_probe
+from specloom.host.kernel_choice import choose_kernels, kernel_choice
 from specloom.host import host_info, host_key, host_line
 from specloom.models import cpu_packing
-from specloom.serving.load_aware import BatchCost, DepthPolicy, drafter_prior_tau, geometric_tokens, tau_to_alpha
+from specloom.cost import BatchCost
+from specloom.depth import DepthPolicy, geometric_tokens, tau_to_alpha
+from specloom.drafters.checkpoint import drafter_prior_tau
 from specloom.speculative import SpeculativeConfig
 
 TOKENS = (1, 2, 3, 5, 9, 17)
@@ -374,7 +376,7 @@ def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
 
 
 def test_one_row_curve_is_measured_interleaved_and_monotone_in_rows(tiny):
-    from specloom.serving.load_aware import measure_batch_cost, monotone
+    from specloom.cost import measure_batch_cost, monotone
 
     # more rows never cost less; a few tokens may really cost less than one (oneDNN bf16 on an AVX-512 EPYC:
     # c(1, 3) = 0.9): the tokens axis stays as measured
@@ -387,19 +389,38 @@ def test_one_row_curve_is_measured_interleaved_and_monotone_in_rows(tiny):
     assert cost(1, 33) >= cost(1, 17) and cost(2, 5) == pytest.approx(2 * cost(1, 5))  # one-row curve: linear in n
 
 
-def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monkeypatch):
-    from specloom.serving import load_aware
+def test_tree_tuners_read_the_same_curve_mechanism(tiny, tmp_path, monkeypatch):
+    """`verify_cost_curve` (the tree tuners' one-row curve, trees up to 64 nodes) is the serving grid's
+    mechanism over other widths: measured once, cached beside it, read back equal; a corrupt file is measured
+    again."""
+    from specloom import cost as cost_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
-    first = load_aware.batch_cost_cached(model, 1)
+    first = cost_mod.verify_cost_curve(model)
+    assert first.rows == [1] and first.tokens == list(cost_mod.TREE_SIZES) and first(1, 1) == 1.0
+    (path,) = (tmp_path / "specloom" / "verify_cost").glob("tree2-*.json")
+    monkeypatch.setattr(cost_mod, "measure_batch_cost", lambda *a, **k: pytest.fail("measured again"))
+    assert cost_mod.verify_cost_curve(model).relative() == pytest.approx(first.relative())
+    path.write_text("{not json")
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cost_mod.verify_cost_curve(model)(1, 64) > 0 and path.read_text().startswith("{")
+
+
+def test_cached_curve_is_anchored_to_the_machines_speed_now(tiny, tmp_path, monkeypatch):
+    from specloom import cost as cost_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    first = cost_mod.batch_cost_cached(model, 1)
     assert list((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r1-h*.json"))
     nine = first(1, 9)
     # the host is 10x slower now, the curve's shape unchanged
     three = first(1, 3)
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 10 * first.base, 3: 10 * first.base * three,
+    monkeypatch.setattr(cost_mod, "time_passes", lambda m, ts, repeats: {1: 10 * first.base, 3: 10 * first.base * three,
                                                                            9: 10 * first.base * nine})
-    again = load_aware.batch_cost_cached(model, 1)
+    again = cost_mod.batch_cost_cached(model, 1)
     assert again.base == pytest.approx(10 * first.base)
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)  # same shape
     before = dict(again.seconds)
@@ -412,25 +433,25 @@ def test_cached_curve_whose_shape_this_host_no_longer_shows_is_measured_again(ti
     is not trusted for ever: the read checks c(1, 9) against a fresh probe and measures again."""
     import json
 
-    from specloom.serving import load_aware
+    from specloom import cost as cost_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
-    load_aware.batch_cost_cached(model, 1)
+    cost_mod.batch_cost_cached(model, 1)
     path = next((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r1-h*.json"))
     steep = {k: v * (1 if k == "1x1" else 8) for k, v in json.loads(path.read_text()).items()}
     path.write_text(json.dumps(steep))
-    monkeypatch.setattr(load_aware, "measure_batch_cost",
-                        lambda m, rows, budget_s=None: load_aware.BatchCost({(1, t): 1.0 + 0.01 * t for t in TOKENS}))
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: {1: 1.0, 3: 1.03 / 1.01, 9: 1.1})
+    monkeypatch.setattr(cost_mod, "measure_batch_cost",
+                        lambda m, rows, budget_s=None: cost_mod.BatchCost({(1, t): 1.0 + 0.01 * t for t in TOKENS}))
+    monkeypatch.setattr(cost_mod, "time_passes", lambda m, ts, repeats: {1: 1.0, 3: 1.03 / 1.01, 9: 1.1})
     lines = []
-    cost = load_aware.batch_cost_cached(model, 1, log=lines.append)
+    cost = cost_mod.batch_cost_cached(model, 1, log=lines.append)
     assert "disagrees with this host now" in lines[0] and "3-token pass" in lines[0], lines
     assert float(lines[0].split("pass: ")[1].split()[0]) > 7  # the steep cached figure, named
     assert cost(1, 9) == pytest.approx(1.09 / 1.01)  # the new measurement, and it replaced the cached file
     assert json.loads(path.read_text())["1x9"] == pytest.approx(1.09)
     lines.clear()
-    load_aware.batch_cost_cached(model, 1, log=lines.append)  # now it agrees: read
+    cost_mod.batch_cost_cached(model, 1, log=lines.append)  # now it agrees: read
     assert lines == [f"verify cost curve read from {path}"]
 
 
@@ -545,7 +566,7 @@ def test_generate_compare_plain(tiny, capsys):
 def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypatch):
     """Start-up's verify-cost measurement says that it runs and where it is cached, stops its repeats at the time
     bound (one warm-up and one timed round always), and a second start reads the cache instead of measuring."""
-    from specloom.serving import load_aware
+    from specloom import cost as cost_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
@@ -558,7 +579,7 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
 
     monkeypatch.setattr(type(model), "forward", counting)
     lines = []
-    first = load_aware.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
+    first = cost_mod.batch_cost_cached(model, 2, log=lines.append, budget_s=0.0)
     grid = 2 * len(TOKENS)  # rows 1 and 2
     assert calls["n"] == 2 + 2 * grid  # the rows' prefill, then warm-up + one timed round: the bound cut the rest
     path = next((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r2-h*.json"))
@@ -567,14 +588,14 @@ def test_curve_measurement_is_bounded_logged_and_cached(tiny, tmp_path, monkeypa
     lines.clear()
     calls["n"] = 0
     probes = []  # the read's check of the cached shape, at the shape it cached (a tiny model's timings are noise)
-    monkeypatch.setattr(load_aware, "time_passes",
+    monkeypatch.setattr(cost_mod, "time_passes",
                         lambda m, ts, repeats: probes.append(ts) or {t: first.base * first(1, t) for t in ts})
-    load_aware.batch_cost_cached(model, 2, log=lines.append)
+    cost_mod.batch_cost_cached(model, 2, log=lines.append)
     assert lines == [f"verify cost curve read from {path}"] and calls["n"] == 0 and probes == [(1, 3, 9)]
 
 
 def test_corrupt_verify_cost_cache_is_measured_again(tiny, tmp_path, monkeypatch):
-    from specloom.serving.load_aware import batch_cost_cached
+    from specloom.cost import batch_cost_cached
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
@@ -594,16 +615,16 @@ def test_corrupt_verify_cost_cache_is_measured_again(tiny, tmp_path, monkeypatch
 def test_a_burst_of_other_work_does_not_remeasure_the_curve(tiny, tmp_path, monkeypatch):
     """The shape check looks twice before measuring again: a first probe slowed by a burst of other work (its
     multi-token passes 1.6 decode steps where the curve says ~1) is overruled by the fastest of both looks."""
-    from specloom.serving import load_aware
+    from specloom import cost as cost_mod
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tiny("llama").model
-    first = load_aware.batch_cost_cached(model, 1)
+    first = cost_mod.batch_cost_cached(model, 1)
     calm = {1: first.base, 3: first.base * first(1, 3), 9: first.base * first(1, 9)}
     looks = [{1: calm[1], 3: 1.6 * calm[3] * 1.5, 9: 1.6 * calm[9] * 1.5}, calm]
-    monkeypatch.setattr(load_aware, "time_passes", lambda m, ts, repeats: looks.pop(0))
-    monkeypatch.setattr(load_aware, "measure_batch_cost", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(cost_mod, "time_passes", lambda m, ts, repeats: looks.pop(0))
+    monkeypatch.setattr(cost_mod, "measure_batch_cost", lambda *a, **k: pytest.fail("measured again"))
     lines = []
-    again = load_aware.batch_cost_cached(model, 1, log=lines.append)
+    again = cost_mod.batch_cost_cached(model, 1, log=lines.append)
     assert not looks and "read from" in lines[-1], lines
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)

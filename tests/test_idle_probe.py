@@ -9,8 +9,9 @@ import pytest
 from specloom import Engine
 from specloom.drafters.base import Drafter
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, Sequence
-from specloom.serving.load_aware import BatchCost, DepthPolicy
+from specloom.scheduler import BatchScheduler, Sequence
+from specloom.cost import BatchCost
+from specloom.depth import DepthPolicy
 from specloom.speculative import SpeculativeConfig
 from specloom.step import StepReport
 from specloom.tree import DraftTree

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specloom import SpecloomError
-from specloom.bench import kernel_probe
-from specloom.bench.kernel_probe import choose_kernels, kernel_choice
+from specloom.host import kernel_choice as kernel_probe
+from specloom.host.kernel_choice import choose_kernels, kernel_choice
 from specloom.models import cpu_packing, invariant_linear
 
 needs_kernel = pytest.mark.skipif(not invariant_linear.available(),

@@ -25,7 +25,7 @@ def live(smollm2):
     from specloom import Engine
     from specloom.bench.serve_load import LiveServer
     from specloom.serving.api import Server
-    from specloom.serving.load_aware import BatchCost
+    from specloom.cost import BatchCost
     from specloom.speculative import SpeculativeConfig
 
     engine = Engine(smollm2.model, smollm2.tokenizer, SpeculativeConfig.parse({"method": "eagle3"}),
@@ -135,7 +135,7 @@ def test_64_streams_with_disconnects(live):
 
 
 def test_full_queue_is_429(live):
-    from specloom.serving.batch import QueueFull
+    from specloom.scheduler import QueueFull
 
     server, port, _ = live
     sch = server.scheduler

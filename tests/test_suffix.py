@@ -18,7 +18,7 @@ from specloom.drafters import DRAFTERS, KINDS, DraftContext
 from specloom.drafters.suffix.drafter import SuffixDrafter
 from specloom.drafters.suffix.trie import SuffixTrie, speculate
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, Sequence
+from specloom.scheduler import BatchScheduler, Sequence
 from specloom.speculative import SpeculativeConfig
 
 PROMPTS = [

@@ -10,7 +10,7 @@ import pytest
 from specloom import Engine, SpecloomError
 from specloom.drafters.suffix.hybrid import SuffixFirst
 from specloom.sampling import SamplingParams
-from specloom.serving.batch import BatchScheduler, Sequence
+from specloom.scheduler import BatchScheduler, Sequence
 from specloom.speculative import SpeculativeConfig
 
 from test_hidden_drafters import drafters, make_eagle, make_medusa  # noqa: F401  (module fixture)

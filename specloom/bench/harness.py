@@ -3,7 +3,7 @@
 Protocol (../shared/reference/benchmarking.md): one warm-up generation each, then for every prompt the baseline
 and the candidate run back to back, alternating which goes first (A B, B A, ...) so drift cancels. Tokens/s
 count generated tokens over wall time *including prefill*. The report records the host
-(CPU model and flags, oneDNN bf16, threads, torch: `host.py`), the target's linear kernel and the speculation
+(CPU model and flags, oneDNN bf16, threads, torch: `host/`), the target's linear kernel and the speculation
 mode (`auto` by default: depth per step from the host's verify-cost curve and the acceptance). `speedup` is the median of the per-prompt ratios;
 `speedup_aggregate` the ratio of total throughputs. Greedy outputs are compared token by token.
 

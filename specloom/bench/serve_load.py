@@ -125,7 +125,7 @@ def run_serve_bench(model: str, speculative_config, concurrency: list[int], mode
                     device: str | None = "cpu", kv_dtype=None) -> dict:
     from ..engine import load
     from ..serving.api import Server
-    from ..serving.load_aware import batch_cost_cached
+    from ..cost import batch_cost_cached
     from .harness import kernel_report, print_host, read_prompts
 
     prompts = [r["text"] for r in read_prompts(prompts_path)]

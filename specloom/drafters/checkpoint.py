@@ -281,3 +281,22 @@ def specloom_meta(kind: str, target, tokenizer, feature_ids, **extra) -> dict:
     on the probe (`target_probe`, behaviour.py), the feature layer ids, and `extra`."""
     return {"kind": kind, "target_fingerprint": fingerprint(target, tokenizer),
             "target_probe": record_probe(target, tokenizer), "feature_ids": list(feature_ids), **extra}
+
+
+def drafter_prior_tau(drafter, spec=None, target_config=None) -> float | None:
+    """The drafter's measured tau, if it has one: `drafter.prior_tau`, else the `measured.mean_accepted_length`
+    its checkpoint's config records (the bundled drafters' manifest figures); None when unknown."""
+    tau = getattr(drafter, "prior_tau", None)
+    if tau:
+        return float(tau)
+    if spec is None or target_config is None:
+        return None
+    try:
+        raw = read_drafter_config(find_drafter_dir(spec.model, spec.method, target_config), spec.method)
+    except Exception:  # no checkpoint (n-gram, draft_model), or one without a readable config
+        return None
+    for d in [raw, *(v for v in raw.values() if isinstance(v, dict))]:
+        m = d.get("measured")
+        if isinstance(m, dict) and isinstance(m.get("mean_accepted_length"), (int, float)):
+            return float(m["mean_accepted_length"])
+    return None

@@ -62,7 +62,7 @@ def fitting_groups(ctxs, sizes: list[int], store) -> list[list[int]]:
     missed positions: its own pass instead). Usually one group. (A group split off for padding is at most
     TREE_SLACK wide, so where its span holds a row of an earlier group, grown by that group's pass, it still
     fits: a row's length never passes its sequence's, and the store keeps TREE_SLACK slots beyond that.)"""
-    from ..step import TREE_SLACK
+    from ..kv import TREE_SLACK
 
     groups: list[list[int]] = []
     for i in sorted(range(len(ctxs)), key=lambda i: -sizes[i]):

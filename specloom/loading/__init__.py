@@ -220,7 +220,7 @@ def load_target(
     "dequantized" (the default: quantized weights -- FP8, MXFP4, NVFP4, decided per module -- are dequantised
     into `dtype` at load) or "quantized" (held in their checkpoint format, dequantised on each forward); None reads
     SPECLOOM_WEIGHTS_RESIDENT. `drafting`: what the drafter that will run is expected to do
-    (`kernel_probe.Drafting`), so "auto" picks the kernel for speculation rather than for plain decoding."""
+    (`host.kernel_choice.Drafting`), so "auto" picks the kernel for speculation rather than for plain decoding."""
     dt = parse_dtype(dtype)
     dev = parse_device(device)
     source = resolve(name)
@@ -242,7 +242,7 @@ def load_target(
     if pack:
         # each linear runs the kernel its weight format picks; dense weights the host's measured choice (oneDNN's
         # packed layout for bf16 on a CPU whose oneDNN runs bf16, plain nn.Linear elsewhere and on CUDA)
-        from ..bench.kernel_probe import kernel_choice
+        from ..host.kernel_choice import kernel_choice
 
         choice = kernel_choice(model, kernel, dev, log=(lambda m: print(f"specloom: {m}", file=sys.stderr,
                                                                         flush=True)) if progress else None,

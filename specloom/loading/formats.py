@@ -9,7 +9,7 @@ format's `load` returns the module's parameters (HF convention, as `dtype` on `d
 
 Registered formats:
 * `dense` -- `weight` (+ `bias`) tensors in fp32 / bf16 / fp16 (HF safetensors or .bin). Kernel: for the target,
-  the host's `KernelChoice` (`specloom.bench.kernel_probe`: a measured probe picks among the kernels of
+  the host's `KernelChoice` (`specloom.host.kernel_choice`: a measured probe picks among the kernels of
   models/cpu_packing.py that keep the model's numerics, cached per host); without one (drafters), oneDNN's
   pre-packed `PackedLinear` for bf16 on a CPU whose oneDNN supports bf16 and `nn.Linear` as is otherwise (fp32,
   fp16, and any non-CPU device: CUDA never gets oneDNN packing).
@@ -51,6 +51,7 @@ from torch import nn
 
 from ..errors import SpecloomError
 from ..models import cpu_packing
+from ..models.cpu_packing import dense_kernel, replace_linears
 from .fp8 import FP8Format
 from .gguf_file import GGUFTensor, dequantize_gguf, gguf_dequantizable
 from .mxfp4 import MXFP4Format
@@ -75,22 +76,6 @@ class WeightFormat(Protocol):
              device: torch.device | str) -> dict[str, torch.Tensor]: ...
 
     def kernel(self, linear: nn.Linear, device: torch.device | str) -> nn.Module: ...
-
-
-def dense_kernel(linear: nn.Linear, device: torch.device | str | None = None, choice=None) -> nn.Module:
-    """The kernel for a dense `nn.Linear` that runs on `device` (default: where its weight is). With a `choice`
-    (a `KernelChoice`: `single` and `multi` kernel names) its kernels, one module or a `RowSplitLinear`; without
-    one the oneDNN pre-packed bf16 layout on a CPU that supports it (bit-identical to `F.linear` per product,
-    faster when decoding), the plain `nn.Linear` everywhere else."""
-    device = linear.weight.device if device is None else torch.device(device)
-    if choice is not None and device.type == "cpu":
-        single = cpu_packing.build_kernel(choice.single, linear)
-        if choice.multi == choice.single:
-            return single
-        return cpu_packing.RowSplitLinear(linear, single, cpu_packing.build_kernel(choice.multi, linear))
-    if cpu_packing.packing_supported(linear.weight.dtype, device):
-        return cpu_packing.PackedLinear(linear)
-    return linear
 
 
 class DenseFormat:
@@ -242,21 +227,14 @@ def apply_kernels(model: nn.Module, plan: Mapping[str, str] | None = None,
     `dense`. `device` is where the model will run (default: where each weight is). `choice`: the host's
     `KernelChoice` for formats that load dense weights (`fmt.dense`). Returns how many were replaced."""
     plan = plan or {}
-    count = 0
-    for prefix, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            full = f"{prefix}.{name}" if prefix else name
-            fmt_name = plan.get(full, "dense")
-            if fmt_name not in FORMATS:
-                raise SpecloomError(f"module {full!r}: unknown weight format {fmt_name!r} ({', '.join(FORMATS)})")
-            fmt, dev = FORMATS[fmt_name], child.weight.device if device is None else device
-            if choice is not None and getattr(fmt, "dense", False):
-                new = dense_kernel(child, dev, choice)
-            else:
-                new = fmt.kernel(child, dev)
-            if new is not child:
-                setattr(parent, name, new)
-                count += 1
-    return count
+
+    def kernel(full: str, child: nn.Linear) -> nn.Module:
+        fmt_name = plan.get(full, "dense")
+        if fmt_name not in FORMATS:
+            raise SpecloomError(f"module {full!r}: unknown weight format {fmt_name!r} ({', '.join(FORMATS)})")
+        fmt, dev = FORMATS[fmt_name], child.weight.device if device is None else device
+        if choice is not None and getattr(fmt, "dense", False):
+            return dense_kernel(child, dev, choice)
+        return fmt.kernel(child, dev)
+
+    return replace_linears(model, kernel)

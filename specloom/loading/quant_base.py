@@ -15,7 +15,7 @@ which dequantises into the compute dtype on each forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -82,10 +82,10 @@ class QuantFormat:
         q, meta = self.pack(module, tensors, params_for(quant_config, module))
         q.pop("bias", None)  # loaded dense, next to it
         k = int(self.dequantize({n: v[:1] for n, v in q.items()}, meta).shape[1])  # one row: its K
-        return Quantized(self.name, {n: v.to(device) for n, v in q.items()}, {**meta, "in_features": k})
+        return Quantized(self.name, {n: v.to(device) for n, v in q.items()}, {**meta, "in_features": k}, self)
 
     def kernel(self, linear, device):
-        from .formats import dense_kernel
+        from ..models.cpu_packing import dense_kernel
 
         return dense_kernel(linear, device)  # dequantised at load: a dense weight
 
@@ -104,6 +104,7 @@ class Quantized:
     fmt: str
     q: dict
     meta: dict
+    format: object = field(default=None, compare=False, repr=False)  # the QuantFormat that packed it
 
     @staticmethod
     def cat(parts: list[Quantized], name: str) -> Quantized:
@@ -114,7 +115,8 @@ class Quantized:
         if any(p.meta != parts[0].meta or set(p.q) != set(parts[0].q) for p in parts):
             raise SpecloomError(f"malformed checkpoint: the parts of {name} are quantized with different group "
                                 f"sizes or tensors ({[p.meta for p in parts]}) but run as one linear")
-        return Quantized(parts[0].fmt, {k: torch.cat([p.q[k] for p in parts]) for k in parts[0].q}, parts[0].meta)
+        return Quantized(parts[0].fmt, {k: torch.cat([p.q[k] for p in parts]) for k in parts[0].q}, parts[0].meta,
+                         parts[0].format)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -129,9 +131,9 @@ class QuantLinear(nn.Module):
 
     def __init__(self, qz: Quantized, dtype: torch.dtype, bias: torch.Tensor | None = None):
         super().__init__()
-        from .formats import FORMATS
-
-        self.fmt, self.meta, self.dtype = FORMATS[qz.fmt], dict(qz.meta), dtype
+        if qz.format is None:
+            raise ValueError(f"{qz.fmt} weights without their format object (QuantFormat.load_quantized sets it)")
+        self.fmt, self.meta, self.dtype = qz.format, dict(qz.meta), dtype
         self.names = list(qz.q)
         for k in self.names:
             self.register_buffer(f"q_{k}", qz.q[k])

@@ -169,10 +169,39 @@ def kernel_of(module: nn.Module) -> str:
     return getattr(module, "kernel", "native")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Give every `nn.Linear` of `model` (dense weights, e.g. a drafter's) the kernel the weight-format seam picks
-    for dense weights (`specloom.loading.formats.dense_kernel`): a `PackedLinear` for bf16 on a CPU that supports
-    it. Returns how many were replaced. (A drafter's numerics change only its acceptance, never the output.)"""
-    from ..loading.formats import apply_kernels  # the loader imports this module
+def dense_kernel(linear: nn.Linear, device: torch.device | str | None = None, choice=None) -> nn.Module:
+    """The kernel for a dense `nn.Linear` that runs on `device` (default: where its weight is). With a `choice`
+    (a `KernelChoice`: `single` and `multi` kernel names) its kernels, one module or a `RowSplitLinear`; without
+    one the oneDNN pre-packed bf16 layout on a CPU that supports it (bit-identical to `F.linear` per product,
+    faster when decoding), the plain `nn.Linear` everywhere else."""
+    device = linear.weight.device if device is None else torch.device(device)
+    if choice is not None and device.type == "cpu":
+        single = build_kernel(choice.single, linear)
+        if choice.multi == choice.single:
+            return single
+        return RowSplitLinear(linear, single, build_kernel(choice.multi, linear))
+    if packing_supported(linear.weight.dtype, device):
+        return PackedLinear(linear)
+    return linear
 
-    return apply_kernels(model)
+
+def replace_linears(model: nn.Module, make) -> int:
+    """Replace every plain `nn.Linear` of `model` by `make(full_name, linear)` (the same module: kept). Returns
+    how many were replaced. The one walk behind `pack_linears` and the loader's `apply_kernels`."""
+    count = 0
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            new = make(f"{prefix}.{name}" if prefix else name, child)
+            if new is not child:
+                setattr(parent, name, new)
+                count += 1
+    return count
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give every `nn.Linear` of `model` (dense weights, e.g. a drafter's) the kernel dense weights get
+    (`dense_kernel`): a `PackedLinear` for bf16 on a CPU that supports it. Returns how many were replaced. (A
+    drafter's numerics change only its acceptance, never the output.)"""
+    return replace_linears(model, lambda name, linear: dense_kernel(linear))

@@ -10,7 +10,7 @@ which no kernel that changes its reduction with the row count can promise.
 
 Numerics: bf16 (or fp32) weights, activations widened to fp32 (exact), fp32 accumulation, output rounded to the
 activations' dtype -- the same class as oneDNN's bf16 path; not bit-identical to `F.linear` (another summation
-order), so the probe (bench/kernel_probe.py) lists it with the exact kernels and it is chosen by measured speed.
+order), so the probe (host/kernel_choice.py) lists it with the exact kernels and it is chosen by measured speed.
 
 The shared object is compiled once per source and compiler into ~/.cache/specloom/kernels/ (`cc`, or $CC, with
 -O3 -mavx2 -mfma -fopenmp; about a second) and checked on a small product before use. No compiler, no AVX2 or a

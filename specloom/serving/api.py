@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP API over one `Engine`, served by the continuous-batching scheduler (serving/batch.py).
+"""OpenAI-compatible HTTP API over one `Engine`, served by the continuous-batching scheduler (scheduler.py).
 
 Endpoints: `GET /health` (200 "ok" when ready, 503 "starting" / "draining" otherwise: serving/lifecycle.py),
 `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` (a text, texts, token
@@ -126,7 +126,7 @@ def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) ->
     from ..drafters.base import module_bytes
     from ..kv import kv_bytes_per_token
     from ..kv_quant import kv_type
-    from ..step import TREE_SLACK
+    from ..kv import TREE_SLACK
 
     model, drafter = engine.model, engine.drafter
     row_len = engine.max_model_len + TREE_SLACK
@@ -175,8 +175,9 @@ class Server:
                  metrics_require_key: bool = False, expected_tau: float | None = None):
         """`expected_tau`: the acceptance monitor's start-up figure (tokens per step of the drafter here, e.g.
         from `specloom doctor`); None: the drafter manifest's measured tau (serving/monitor.py)."""
-        from .batch import BatchScheduler
-        from .load_aware import batch_cost_cached
+        from ..scheduler import BatchScheduler
+        from .monitor import attach_monitor
+        from ..cost import batch_cost_cached
         from .metrics import Metrics
 
         self.engine = engine
@@ -200,12 +201,12 @@ class Server:
             cost = batch_cost_cached(engine.model, rows, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
                                                                                flush=True))
         self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step,
-                                        start=start, expected_tau=expected_tau)
+                                        start=start)
+        mon = attach_monitor(self.scheduler, expected_tau)
         self.metrics.bind(self.scheduler)
         self.max_n = rows
         log.info("KV pool: %d sequences of %d tokens (%.0f MiB); speculation: %s", rows, self.memory["row_tokens"],
                  self.scheduler.pool.nbytes / 2 ** 20, self.scheduler.policy.mode)
-        mon = self.scheduler.monitor
         if engine.drafter is not None and mon.expected_alpha is not None:
             log.info("acceptance monitor: start-up figure tau %.2f (acceptance %.3f at depth %d, from %s); degraded "
                      "below %.2f x that over the last %d drafted steps", mon.expected_tau, mon.expected_alpha,
@@ -317,7 +318,7 @@ class Server:
         """Queue n sequences per prompt (choice index k = prompt * n + i; each its own seed: seed + i, and its
         own grammar state)."""
         from ..sampling import SamplingParams
-        from .batch import QueueFull, Sequence, ShuttingDown
+        from ..scheduler import QueueFull, Sequence, ShuttingDown
 
         seqs = []
         for k in range(len(prompts) * o["n"]):

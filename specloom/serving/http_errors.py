@@ -19,7 +19,7 @@ def generation_error(error: BaseException) -> APIError:
     fault (its grammar cannot continue, say): 400 with its message; the server shutting down before it finished:
     503; anything else is ours: 500, the details in the server log only."""
     from ..errors import SpecloomError
-    from .batch import ShuttingDown
+    from ..scheduler import ShuttingDown
 
     if isinstance(error, ShuttingDown):
         return APIError(503, str(error), None, "server_shutting_down", "server_error")

@@ -22,7 +22,7 @@ class Lifecycle:
         self.state = "ready"
 
     def drain(self, timeout: float) -> None:
-        """Stop admitting; the scheduler finishes what it accepted within `timeout` seconds (serving/batch.py)."""
+        """Stop admitting; the scheduler finishes what it accepted within `timeout` seconds (scheduler.py)."""
         self.state = "draining"
         if self.server is not None:
             self.server.scheduler.drain(timeout)

@@ -15,7 +15,7 @@ drafted is one *drafted step* (its draft's depth and how many of its tokens were
   (as `bench` and the drafter manifests' `acceptance_per_position`).
 
 The start-up figure is the drafter's expected tau (a constructor argument: `specloom doctor`'s probe, or the
-drafter manifest's measured `mean_accepted_length` as fallback, `load_aware.drafter_prior_tau`), turned into
+drafter manifest's measured `mean_accepted_length` as fallback, `drafters.checkpoint.drafter_prior_tau`), turned into
 the alpha of the same k-deep geometric run (`tau_to_alpha`, as the policy's prior). Every `check_every` drafted
 steps, once the window holds `min_steps`, it counts as *low* when alpha is below `fraction` x the expected alpha
 **and** significantly so (the gap exceeds `z` binomial standard errors at the expected alpha, over the positions
@@ -34,7 +34,7 @@ and a small start-up figure is not undercut by chance, tests/test_acceptance_mon
 Without a start-up figure (n-gram, suffix, draft_model: no manifest) the acceptance gauges are kept but nothing
 is judged degraded.
 
-The scheduler (batch.py `_monitor`) feeds it every step and, under load-aware speculation, lets the policy judge
+The scheduler (scheduler.py `_monitor`) feeds it every step and, under load-aware speculation, lets the policy judge
 new requests by the measured acceptance while it is degraded (the policy's prior), so a degraded drafter costs
 about what plain decoding costs (the policy's occasional depth-1 probes remain); /metrics renders its gauges
 (metrics.py).
@@ -64,7 +64,7 @@ class AcceptanceMonitor:
                  window: int = WINDOW, fraction: float = FRACTION, z: float = Z, min_steps: int = MIN_STEPS,
                  check_every: int = CHECK_EVERY, consecutive: int = CONSECUTIVE,
                  warn_interval_s: float = WARN_INTERVAL_S, clock=time.monotonic):
-        from .load_aware import tau_to_alpha
+        from ..depth import tau_to_alpha
 
         self.expected_tau = float(expected_tau) if expected_tau else None
         self.depth = depth
@@ -192,3 +192,16 @@ class AcceptanceMonitor:
             "warning per %.0f s)",
             self.alpha, len(self.steps), per or "-", self.fraction, self.expected_alpha, self.expected_tau,
             self.depth, self.source, self.low_streak, self.action and " " + self.action, self.warn_interval_s)
+
+
+def attach_monitor(scheduler, expected_tau: float | None = None, **settings) -> AcceptanceMonitor:
+    """Give `scheduler` (scheduler.py) a live acceptance monitor: rolling acceptance against `expected_tau` (the
+    start-up check's figure, e.g. `specloom doctor`'s probe) or the drafter manifest's; `settings` go to
+    AcceptanceMonitor (window, min_steps, ...). Returns the monitor."""
+    mon = AcceptanceMonitor(expected_tau or scheduler.prior_tau, scheduler.policy.max_k,
+                            "the start-up check" if expected_tau else "the drafter's manifest", **settings)
+    if scheduler.policy.mode == "load_aware":
+        mon.action = ("Load-aware speculation now judges new requests by the measured acceptance "
+                      "instead of the start-up figure, so drafting turns down where it does not pay.")
+    scheduler.monitor = mon
+    return mon

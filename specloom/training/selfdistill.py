@@ -50,11 +50,6 @@ ANSWER_TOP_P = 1.0  # sampled answers: temperature only (top-p sorts the vocabul
 SORT_BLOCK = 256  # jobs are sorted by prompt length within blocks of this many  # a Magpie conversation whose query is dropped this many times is given up
 
 
-def eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's default feature ids (HF hidden_states index): low, middle, high."""
-    return (2, num_layers // 2, num_layers - 3)
-
-
 def read_prompts(paths: list[str]) -> list[tuple[str, str]]:
     """(source, user message) for every prompt of the JSONL files (or directories of them) in `paths`."""
     files: list[str] = []
@@ -109,7 +104,7 @@ class Generator:
     """Drives jobs through a BatchScheduler: query (Magpie) -> answer -> [query -> answer], then stored."""
 
     def __init__(self, engine, frame: ChatFrame | None, rows: int, max_new: int, seed: int, store, kv_dtype=None):
-        from ..serving.batch import BatchScheduler
+        from ..scheduler import BatchScheduler
 
         self.engine, self.frame, self.max_new, self.seed, self.store = engine, frame, max_new, seed, store
         self.tok = engine.tokenizer
@@ -125,7 +120,7 @@ class Generator:
 
     def _submit(self, job: Job, ids: list[int], max_tokens: int, temperature: float, top_p: float, stage: str):
         from ..sampling import SamplingParams
-        from ..serving.batch import Sequence
+        from ..scheduler import Sequence
 
         room = self.engine.max_model_len - len(ids)
         if room < 8:  # no room for another stage: keep what the conversation has

@@ -65,7 +65,7 @@ class _BlockTrainer(_Base):
 
     @classmethod
     def data_ids(cls, L):
-        from ...training.selfdistill import eagle3_layer_ids
+        from ..eagle.model import eagle3_layer_ids
 
         return tuple(sorted({*eagle3_layer_ids(L), L}))
 
@@ -73,7 +73,7 @@ class _BlockTrainer(_Base):
         super().__init__(target, tokenizer, data, args)
         from .model import BlockDraftConfig, BlockDraftModel
         from ..eagle.model import init_weights
-        from ...training.selfdistill import eagle3_layer_ids
+        from ..eagle.model import eagle3_layer_ids
 
         tc = target.config
         self.feature_ids = tuple(sorted(set(eagle3_layer_ids(self.L))))

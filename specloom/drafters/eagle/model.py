@@ -28,6 +28,11 @@ from ...models.context import attention_context
 from ...models.layers import RMSNorm, Rope, apply_rope
 
 
+def eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature ids (HF hidden_states index): low, middle, high."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 class DraftConfigDict:
     """JSON round trip for drafter config dataclasses (feature ids as a list, RoPE scaling as a dict; unknown keys
     ignored on reading)."""
@@ -73,7 +78,7 @@ def stacked_kernel(linears) -> nn.Module:
     """Inference only: one kernel for bias-free linears that read the same input, their weights stacked by rows
     (a copy; each output is the same dot product as in its own linear). Kept out of the module tree (state dicts
     and training see only the separate linears); used under inference mode only (`_stacked`)."""
-    from ...loading.formats import dense_kernel
+    from ...models.cpu_packing import dense_kernel
 
     w = torch.cat([lin.weight.detach() for lin in linears])
     stacked = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")

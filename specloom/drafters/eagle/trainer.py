@@ -37,14 +37,14 @@ class Eagle3Trainer(_Base):
 
     @classmethod
     def data_ids(cls, L):
-        from ...training.selfdistill import eagle3_layer_ids
+        from .model import eagle3_layer_ids
 
         return tuple(sorted({*eagle3_layer_ids(L), L}))
 
     def __init__(self, target, tokenizer, data, args):
         super().__init__(target, tokenizer, data, args)
         from .model import EagleDraftModel, eagle_config_for, init_weights
-        from ...training.selfdistill import eagle3_layer_ids
+        from .model import eagle3_layer_ids
 
         self.feature_ids = eagle3_layer_ids(self.L)
         used, coverage = draft_vocabulary(data, target.config.vocab_size, args.draft_vocab,

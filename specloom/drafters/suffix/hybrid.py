@@ -94,7 +94,7 @@ class SuffixFirst(Drafter):
 
     @classmethod
     def wrap(cls, inner: Drafter, spec, target_config=None) -> "SuffixFirst":
-        from ...serving.load_aware import drafter_prior_tau
+        from ...drafters.checkpoint import drafter_prior_tau
 
         prior = drafter_prior_tau(inner, spec, target_config)
         return cls(inner, SuffixDrafter.from_keys(spec, None), spec.suffix_decoding_min_score, prior)

@@ -22,7 +22,7 @@ probe is checked against a live decode step: a step now clearly faster than cach
 under load, and the probe runs again. `fp32` (for a bf16 model) and `int8` change the target's numerics: never
 chosen by default; `--linear-kernel fp32|int8` opts in for every pass.
 
-The figures are cached in ~/.cache/specloom/host/ per host key (host.py), dtype and model shape.
+The figures are cached in ~/.cache/specloom/host/ per host key (host/), dtype and model shape.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..errors import SpecloomError
-from ..host import host_key
+from . import host_key
 from ..models import cpu_packing
 
 MULTI = 9  # the verification width of a typical drafter: an EAGLE-2 tree of 8 nodes + root, a chain of 8
@@ -153,7 +153,7 @@ def probe_kernels(model: nn.Module, kernels: list[str], widths=WIDTHS, context: 
     """Milliseconds of whole passes over `widths` tokens (one row, after `context` cached tokens) per kernel: the
     fastest of the rounds, kernels interleaved round by round. More rounds run (within `budget_s`) while any
     pass's median repeat lies more than NOISY above its fastest; `quiet` says whether it ended below that."""
-    from .verify_cost import sync
+    from . import sync
 
     slots = _Installed(model)
     dev = model.device

@@ -3,7 +3,7 @@
 Hosts of our kind differ in what makes speculation pay. On a CPU whose oneDNN runs bf16 (AVX512-BF16 / AMX) a
 bf16 pass over 9 tokens costs about 1.2 single-token passes; on an AVX2-only CPU the same pass costs about 9
 (each bf16 matmul grows with its rows), so drafters that pay on the first lose on the second. Kernel choice
-(`specloom.bench.kernel_probe`), verify-cost curves (`bench.verify_cost`, `serving.load_aware`) and the depth
+(`host/kernel_choice.py`), verify-cost curves (`cost.py`) and the depth
 policy therefore read measurements taken on this host, cached under a key from `host_key()`.
 
     host_info()   -> {"cpu": ..., "cpu_flags": [...], "mkldnn_bf16": ..., "threads": ..., "torch": ...}
@@ -47,7 +47,7 @@ def _cpuinfo() -> tuple[str, frozenset]:
 
 def mkldnn_bf16() -> bool:
     """Whether oneDNN runs bf16 matmuls natively here (the packed bf16 path; see models/cpu_packing.py)."""
-    from .models import cpu_packing
+    from ..models import cpu_packing
 
     return cpu_packing.onednn_bf16_supported()
 
@@ -94,3 +94,9 @@ def host_key() -> str:
     info = host_info()
     parts = {k: info[k] for k in ("cpu", "cpu_flags", "isa", "mkldnn_bf16", "threads", "torch")}
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -7,7 +7,7 @@
 
 A shape's predicted speed-up over plain decoding is tau / (v(nodes + 1) + c): tau = 1 + the expected number of
 accepted drafts per step, v(n) the host's verify-cost curve (one target pass over n tokens, in decode steps;
-bench/verify_cost.py) and c = c0 + c1(w) x passes the drafting per step (c0: the catch-up pass, the root's head
+cost.py: `verify_cost_curve`) and c = c0 + c1(w) x passes the drafting per step (c0: the catch-up pass, the root's head
 and the rerank; c1(w): one tree depth over w frontier rows; passes: the depths the expansion runs, early stop
 included). Everything the choice depends on is measured for the drafter and host at hand, so a retrained drafter
 or another machine gets its own shape from the same function.
@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ...sampling import SamplingParams
-from ..base import DraftContext
-from ..rows import Span
+from ..sampling import SamplingParams
+from ..drafters.base import DraftContext
+from ..drafters.rows import Span
 
 WIDTHS = (1, 2, 3, 4, 6, 8)
 NODES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -66,7 +66,7 @@ class Costs:
 
 
 def _drafter(engine):
-    from .drafter import EagleDrafter
+    from ..drafters.eagle.drafter import EagleDrafter
 
     d = engine.drafter
     if not isinstance(d, EagleDrafter) or type(d)._catch_up is not EagleDrafter._catch_up:
@@ -79,7 +79,7 @@ class _Replay:
     once, the drafter's rows for the committed prefix once, each position's step replayed on top."""
 
     def __init__(self, engine, seq: list[int], n_prompt: int, depth: int):
-        from ...step import TREE_SLACK
+        from ..kv import TREE_SLACK
 
         self.d = _drafter(engine)
         self.engine, self.seq = engine, seq
@@ -141,7 +141,7 @@ def replay(engine, prompts: list[list[int]], widths=WIDTHS, max_depth: int = 7, 
            stride: int = 2, progress=None) -> list[Record]:
     """Candidates of the drafter at every `stride`-th position of the target's greedy continuation of each
     prompt, for each width, expanded to `max_depth`."""
-    from ...engine import Engine
+    from ..engine import Engine
 
     plain = Engine(engine.model, engine.tokenizer, None, max_model_len=engine.max_model_len)
     records = []
@@ -164,7 +164,7 @@ def drafting_costs(engine, prompt: list[int], widths=WIDTHS, depth: int = 4, sam
     """c0 and c1(w) in target decode steps, each drafting timed right after a target decode step (so the
     drafter's weights are as cold as in decoding), in rotating order: c0 = a step drafting depth 1 (catch-up,
     the root's head, rerank), c1(w) = (a step drafting `depth` at width w - c0) / (depth - 1)."""
-    from ...engine import Engine
+    from ..engine import Engine
 
     kinds = [("c0", 1, 1)] + [(w, w, depth) for w in widths]
     plain = Engine(engine.model, engine.tokenizer, None, max_model_len=engine.max_model_len)
@@ -221,11 +221,9 @@ def _passes(r: Record, depth: int, nodes: int) -> int:
     return depth - 1
 
 
-def evaluate(records: list[Record], costs: Costs, curve: dict, candidates=None, early_stop: bool = True) -> list[dict]:
+def evaluate(records: list[Record], costs: Costs, curve, candidates=None, early_stop: bool = True) -> list[dict]:
     """Every candidate shape's tau, acceptance per depth, passes, drafting and verify cost and predicted speed-up,
-    best first."""
-    from ...bench.verify_cost import interpolate
-
+    best first. `curve`: the one-row verify-cost curve (cost.verify_cost_curve)."""
     by_w: dict[int, list[Record]] = {}
     for r in records:
         by_w.setdefault(r.width, []).append(r)
@@ -238,7 +236,7 @@ def evaluate(records: list[Record], costs: Costs, curve: dict, candidates=None, 
         passes = statistics.mean(_passes(r, depth, nodes) if early_stop else depth - 1 for r in rs)
         tau = 1 + statistics.mean(acc)
         c = costs.c0 + costs.c1[w] * passes
-        v = interpolate(curve, nodes + 1)
+        v = curve(1, nodes + 1)
         per_prompt: dict[int, list[int]] = {}
         for r, x in zip(rs, acc):
             per_prompt.setdefault(r.prompt, []).append(x)

@@ -1,8 +1,8 @@
-"""Load-aware speculation: how deep to draft this step, from the batch size and each request's recent acceptance.
+"""How deep to draft this step (load-aware speculation), from the batch size and each request's recent acceptance.
 
-A verification pass over n rows of T tokens costs c(n, T) (relative to one plain single-sequence decode step),
-measured on this machine at start-up over a small grid and cached (`measure_batch_cost`), then calibrated with
-every pass the server runs (`BatchCost.observe`). Drafting costs d per depth per request (measured online). A request with per-token acceptance alpha emits on average
+A verification pass over n rows of T tokens costs c(n, T) (relative to one plain single-sequence decode step:
+cost.py measures, caches and calibrates it). Drafting costs d per depth per request (measured online). A request
+with per-token acceptance alpha emits on average
 E(alpha, k) = 1 + alpha + ... + alpha^k tokens from a k-deep chain. Each step the policy picks the depth k that
 maximises the batch's expected tokens per unit time
 
@@ -17,23 +17,19 @@ requests, which starts from the drafter's measured tau (its checkpoint's manifes
 
 The same mechanism on every host: where verification is nearly free (oneDNN bf16: c(1, 9) ~ 1.2) it drafts deep;
 where a pass costs about its token count (AVX2-only bf16: c(1, 5) ~ 3.3) no depth pays and it decodes plain. The
-curve is measured per host and linear kernel (`host.py`, `bench/kernel_probe.py`).
+curve is measured per host and linear kernel (host/). One copy for `Engine.generate` and the scheduler.
+Imports: cost.py only (the drafter and rows it is handed are duck-typed).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import statistics
-import time
 from collections import deque
 
-import torch
+from .cost import BatchCost
 
-ROWS = (1, 2, 4, 8, 16)
-TOKENS = (1, 2, 3, 5, 9, 17)
 MODES = ("off", "fixed", "load_aware")
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
 
@@ -78,251 +74,6 @@ class Acceptance:
         return self.a / (self.a + self.r) if self.a + self.r > 0 else 0.0
 
 
-class BatchCost:
-    """c(n, T): seconds of one pass over n rows x T tokens, relative to c(1, 1); bilinear in (n, T) on the grid,
-    linear beyond its edges."""
-
-    def __init__(self, seconds: dict[tuple[int, int], float], frozen: bool = False):
-        self.seconds = seconds
-        self.frozen = frozen  # True: no online calibration (a forced curve, e.g. in tests)
-        self.rows = sorted({n for n, _ in seconds})
-        self.tokens = sorted({t for _, t in seconds})
-        self.base = seconds[(self.rows[0], self.tokens[0])]
-
-    def __call__(self, n: int, t: int) -> float:
-        return self._interp(n, t) / self.base
-
-    def _interp(self, n: float, t: float) -> float:
-        def bracket(xs, x):
-            if x <= xs[0]:
-                return xs[0], xs[0], 0.0
-            for a, b in zip(xs, xs[1:]):
-                if x <= b:
-                    return a, b, (x - a) / (b - a)
-            a, b = xs[-2], xs[-1]
-            return a, b, (x - a) / (b - a)  # extrapolate from the last segment
-
-        if len(self.rows) == 1:  # a one-row curve (Engine.generate): rows scale the cost linearly
-            return max(self._interp_row(t) * n / self.rows[0], 1e-9)
-        n0, n1, fn = bracket(self.rows, n)
-        t0, t1, ft = bracket(self.tokens, t)
-        s = self.seconds
-
-        def at(nn, tt):
-            return s[(nn, tt)]
-
-        lo = at(n0, t0) + (at(n0, t1) - at(n0, t0)) * ft
-        hi = at(n1, t0) + (at(n1, t1) - at(n1, t0)) * ft
-        return max(lo + (hi - lo) * fn, 1e-9)
-
-    def _interp_row(self, t: float) -> float:
-        xs, r = self.tokens, self.rows[0]
-        if t <= xs[0] or len(xs) == 1:
-            return self.seconds[(r, xs[0])]
-        for a, b in zip(xs, xs[1:]):
-            if t <= b:
-                break
-        return self.seconds[(r, a)] + (self.seconds[(r, b)] - self.seconds[(r, a)]) * (t - a) / (b - a)
-
-    def observe(self, n: int, t: int, seconds: float, weight: float = 0.2) -> None:
-        """Calibrate online with a measured pass: scale the grid points around (n, t) towards what this pass cost
-        relative to the curve's prediction, each by its share in the interpolation (start-up measurements use a
-        128-token context; real contexts differ, and a wide pass's attention grows with them)."""
-        if self.frozen:
-            return
-        ratio = min(max(seconds / self._interp(n, t), 0.25), 4.0)
-        for key, share in self._corners(n, t):
-            self.seconds[key] *= 1 + weight * share * (ratio - 1)
-
-    def _corners(self, n: float, t: float) -> list[tuple[tuple[int, int], float]]:
-        """The grid points that (n, t) interpolates between, with their weights (clamped to the grid's edges)."""
-        def bracket(xs, x):
-            if len(xs) == 1 or x <= xs[0]:
-                return [(xs[0], 1.0)]
-            if x >= xs[-1]:
-                return [(xs[-1], 1.0)]
-            for a, b in zip(xs, xs[1:]):
-                if x <= b:
-                    f = (x - a) / (b - a)
-                    return [(a, 1 - f), (b, f)]
-            return [(xs[-1], 1.0)]
-
-        rows = [(self.rows[0], 1.0)] if len(self.rows) == 1 else bracket(self.rows, n)
-        return [((nn, tt), wn * wt) for nn, wn in rows for tt, wt in bracket(self.tokens, t) if wn * wt > 0]
-
-    def rescale(self, factor: float) -> None:
-        """Every point times `factor`: the same shape on a machine that now runs faster or slower."""
-        self.seconds = {k: v * factor for k, v in self.seconds.items()}
-        self.base *= factor
-
-    def to_json(self) -> dict:
-        return {f"{n}x{t}": v for (n, t), v in self.seconds.items()}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "BatchCost":
-        return cls({tuple(int(x) for x in k.split("x")): v for k, v in d.items()})
-
-
-def monotone(seconds: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
-    """A pass over more rows never costs less: the cumulative maximum along the rows axis. The tokens axis is left
-    as measured: on some hosts a pass over a few tokens really is cheaper than over one (oneDNN's bf16 kernels on
-    an AVX-512 EPYC: c(1, 2) = 1.2, c(1, 3..5) = 0.85-0.90, c(1, 9) = 1.2, fastest of 7 interleaved passes each),
-    and clamping it (as this once did, against noise) priced a 3-deep draft's verification 33 % too high there.
-    The fastest of the repeats is what keeps noise out."""
-    rows, tokens = sorted({n for n, _ in seconds}), sorted({t for _, t in seconds})
-    out = dict(seconds)
-    for i, n in enumerate(rows[1:], 1):
-        for t in tokens:
-            out[(n, t)] = max(out[(n, t)], out[(rows[i - 1], t)])
-    return out
-
-
-def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | None = None,
-                       progress=None, budget_s: float | None = None) -> BatchCost:
-    """Time passes over n rows x T tokens through a KV pool (the serving path) after about `context` cached
-    tokens (rows of slightly different lengths, as in serving: ragged passes). Every repeat times every grid point
-    in turn (drift hits all alike); the fastest of the repeats (a pass slowed by another process on a shared
-    host says nothing about the model: a median of slowed passes once cached a curve so steep that no drafter
-    could pay), then made monotone in rows. `repeats` default: 7 for one row (Engine.generate:
-    a few seconds), 3 for a serving grid. `budget_s`: no further repeat starts once that many seconds have gone
-    (one warm-up and one timed round always run; online calibration refines a curve cut short)."""
-    from ..bench.verify_cost import sync
-
-    rows = [n for n in ROWS if n <= max_rows] or [1]
-    repeats = repeats or (7 if rows == [1] else 3)
-    pool = model.new_kv(context + max(TOKENS) + 1, batch=max(rows), active=0)
-    dev = model.device
-    for i in range(max(rows)):
-        r = pool.allocate()
-        m = context - i % 4
-        x = torch.randint(0, model.config.vocab_size, (1, m), device=dev)
-        model(x, torch.arange(m, device=dev)[None], pool.begin([r], [m]), num_logits=1)
-        pool.commit(row=r)
-    grid = [(n, t) for n in rows for t in TOKENS]
-    inputs = {}
-    for n, t in grid:
-        lengths = torch.tensor(pool.lengths[:n], device=dev)[:, None]
-        inputs[(n, t)] = (torch.randint(0, model.config.vocab_size, (n, t), device=dev),
-                          lengths + torch.arange(t, device=dev)[None])
-    times = {key: [] for key in grid}
-    t0 = time.perf_counter()
-    for rep in range(repeats + 1):  # the first round warms up
-        if rep > 1 and budget_s is not None and time.perf_counter() - t0 > budget_s:
-            break
-        for n, t in grid:
-            x, pos = inputs[(n, t)]
-            sync(dev)
-            s = time.perf_counter()
-            model(x, pos, pool.begin(range(n), [t] * n))
-            sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
-            if rep:
-                times[(n, t)].append(time.perf_counter() - s)
-    out = monotone({key: min(ts) for key, ts in times.items()})
-    if progress:
-        for (n, t), v in out.items():
-            progress(n, t, v)
-    return BatchCost(out)
-
-
-@torch.inference_mode()
-def time_passes(model, tokens=(1,), context: int = 128, repeats: int = 5) -> dict[int, float]:
-    """Fastest seconds of a one-row pass over T tokens after `context` cached tokens, for each T in `tokens`
-    (interleaved, so drift hits all alike; the fastest of `repeats` is the pass without another process's
-    interference). T = 1 is the cost curve's unit, now."""
-    from ..bench.verify_cost import sync
-
-    dev = model.device
-    kv = model.new_kv(context + max(tokens) + 1)
-    x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
-    model(x, torch.arange(context, device=dev)[None], kv, num_logits=1)
-    kv.commit()
-    inputs = {t: (torch.randint(0, model.config.vocab_size, (1, t), device=dev),
-                  torch.arange(context, context + t, device=dev)[None]) for t in tokens}
-    times: dict[int, list[float]] = {t: [] for t in tokens}
-    for rep in range(repeats + 1):  # the first round warms up
-        for t in tokens:
-            sync(dev)
-            s = time.perf_counter()
-            model(*inputs[t], kv)
-            sync(dev)
-            kv.truncate(context)
-            if rep:
-                times[t].append(time.perf_counter() - s)
-    return {t: min(ts) for t, ts in times.items()}
-
-
-CURVE_VERSION = "2"  # in the cache file's name: 2 = tokens axis no longer clamped (curves cached before are measured again)
-MEASURE_BUDGET_S = 60.0  # the most a verify-cost measurement may take before its repeats stop
-SHAPE_CHECK_TOKENS = (3, 9)  # a cached curve is checked at c(1, 3) and c(1, 9) against a fresh probe ...
-SHAPE_TOLERANCE = 1.3  # ... and measured again when the two differ by more than this factor
-
-
-def batch_cost_cached(model, max_rows: int, refresh: bool = False, log=None,
-                      budget_s: float | None = MEASURE_BUDGET_S) -> BatchCost:
-    """`measure_batch_cost`, cached in ~/.cache/specloom/verify_cost/ per model file, dtype, threads, rows, host
-    (CPU, flags, torch) and linear kernel. A measurement is bounded by `budget_s` and says (through `log`) that it
-    runs, where it is cached and how long it took; a cache hit says where it was read from."""
-    from ..bench.verify_cost import device_tag, host_tag, model_cache_key
-    from ..tokenizer import cache_dir
-
-    key = model_cache_key(model)
-    path = None
-    if key:
-        name = (f"batch{CURVE_VERSION}-{key}-{str(model.dtype).replace('torch.', '')}"
-                f"-t{torch.get_num_threads()}-r{max_rows}{host_tag(model)}{device_tag(model.device)}.json")
-        path = os.path.join(cache_dir(), "verify_cost", name)
-        cost = None
-        if not refresh and os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    cost = BatchCost.from_json(json.load(f))
-                cost(cost.rows[0], cost.tokens[0])
-            except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError):
-                if log:
-                    log(f"verify cost curve cache {path} is unreadable: measuring it again")
-                cost = None
-        if cost is not None:
-            # the cached shape, anchored to how fast the machine runs now (a curve measured while the host was
-            # busier would otherwise take many passes of online calibration to come back), and checked at a few
-            # multi-token points: a cached shape that this host no longer shows is measured again
-            now = time_passes(model, (1, *SHAPE_CHECK_TOKENS), repeats=7)
-
-            def disagree(now):
-                off = [(t, cost(cost.rows[0], t), now[t] / now[1]) for t in SHAPE_CHECK_TOKENS]
-                return [(t, c, f) for t, c, f in off if not 1 / SHAPE_TOLERANCE <= c / f <= SHAPE_TOLERANCE]
-
-            cost.rescale(now[1] / cost.seconds[(cost.rows[0], cost.tokens[0])])
-            # (the probe is the fastest of 7 interleaved passes per size: the pass least slowed by other work)
-            bad = disagree(now)
-            if bad:  # a second look before a minute of measuring: a burst of other work is not a new host
-                again = time_passes(model, (1, *SHAPE_CHECK_TOKENS), repeats=7)
-                now = {t: min(now[t], again[t]) for t in now}
-                cost.rescale(now[1] / cost.seconds[(cost.rows[0], cost.tokens[0])])
-                bad = disagree(now)
-            if not bad:
-                if log:
-                    log(f"verify cost curve read from {path}")
-                return cost
-            if log:
-                t, c, f = bad[0]
-                log(f"cached verify cost curve {path} disagrees with this host now (a {t}-token pass: {c:.2f} "
-                    f"decode steps cached, {f:.2f} measured now); measuring it again")
-    if log:
-        where = f"cached at {path}" if path else "not cached: the model was built in memory"
-        bound = f", at most ~{budget_s:.0f} s" if budget_s is not None else ""
-        log(f"measuring verify cost curve for up to {max_rows} rows{bound} (once per model, dtype, host and "
-            f"kernel; {where}) ...")
-    t0 = time.perf_counter()
-    cost = measure_batch_cost(model, max_rows, budget_s=budget_s)
-    if log:
-        log(f"verify cost curve measured in {time.perf_counter() - t0:.1f} s")
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(cost.to_json(), f, indent=1)
-    return cost
-
-
 def tau_to_alpha(tau: float, k: int) -> float:
     """The per-depth acceptance alpha whose k-deep geometric run gives tau tokens per step (inverse of
     `geometric_tokens`): how a drafter's measured tau becomes the policy's prior."""
@@ -335,27 +86,6 @@ def tau_to_alpha(tau: float, k: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if geometric_tokens(mid, k) < tau else (lo, mid)
     return (lo + hi) / 2
-
-
-def drafter_prior_tau(drafter, spec=None, target_config=None) -> float | None:
-    """The drafter's measured tau, if it has one: `drafter.prior_tau`, else the `measured.mean_accepted_length`
-    its checkpoint's config records (the bundled drafters' manifest figures); None when unknown."""
-    tau = getattr(drafter, "prior_tau", None)
-    if tau:
-        return float(tau)
-    if spec is None or target_config is None:
-        return None
-    try:
-        from ..drafters.checkpoint import find_drafter_dir, read_drafter_config
-
-        raw = read_drafter_config(find_drafter_dir(spec.model, spec.method, target_config), spec.method)
-    except Exception:  # no checkpoint (n-gram, draft_model), or one without a readable config
-        return None
-    for d in [raw, *(v for v in raw.values() if isinstance(v, dict))]:
-        m = d.get("measured")
-        if isinstance(m, dict) and isinstance(m.get("mean_accepted_length"), (int, float)):
-            return float(m["mean_accepted_length"])
-    return None
 
 
 def cheap_drafter(drafter) -> bool:
@@ -490,7 +220,7 @@ class DepthPolicy:
         """Whether some depth up to `cap` beats plain decoding (by the margin) for one row at this acceptance."""
         if self.cost is None:
             return cap > 0
-        return any(self.expected_speedup(alpha, k) > self.margin for k in range(1, min(self.max_k, cap) + 1))
+        return any(self.expected_speedup(alpha, k) > self.need() for k in range(1, min(self.max_k, cap) + 1))
 
     def choose(self, alphas: list[float], caps: list[int]) -> list[int]:
         """Depth per request (each at most its cap: the drafter's depth and the tokens it may still emit)."""

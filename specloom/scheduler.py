@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SpecloomError
-from ..results import GenerationResult
-from ..step import TREE_SLACK, Request, Row, Stepper
-from .load_aware import DepthPolicy
+from .errors import SpecloomError
+from .results import GenerationResult
+from .step import Request, Row, Stepper
+from .kv import TREE_SLACK
+from .depth import DepthPolicy
 
 log = logging.getLogger("specloom.serve")
 
@@ -67,31 +68,22 @@ class Sequence(Request):
 
 class BatchScheduler:
     def __init__(self, engine, rows: int, mode: str = "fixed", cost=None, max_queue: int | None = None,
-                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True,
-                 expected_tau: float | None = None):
+                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True, monitor=None):
         """`start` False: the caller runs `run()` itself -- on CPU, from the main thread: PyTorch's OpenMP
         thread team belongs to the thread that first used it, and steps from another thread ran ~40 % slower
-        here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores). `expected_tau`: the start-up figure the
-        acceptance monitor compares with (e.g. `specloom doctor`'s probe); None: the drafter manifest's."""
+        here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores). `monitor`: a live acceptance monitor
+        handed in by the server (`observe(trees, accepted)`, `degraded`, `alpha`: serving/monitor.py's
+        `attach_monitor`), or None; `on_step(batch_size, depths)`: the server's metrics."""
         self.engine = engine
         self.model = engine.model
         self.drafter = engine.drafter
         self.pool = self.model.new_kv(engine.max_model_len + TREE_SLACK, kv_dtype, batch=rows, active=0)
         self.stepper = Stepper(self.model, self.drafter, self.pool, engine.tokenizer, engine.prefill_chunk)
-        from .load_aware import drafter_prior_tau
-
-        spec = engine.speculative_config
-        prior = drafter_prior_tau(self.drafter, spec, self.model.config) if self.drafter else None
+        prior = engine.prior_tau() if self.drafter else None
         self.policy = DepthPolicy.for_drafter(mode, self.drafter, cost, prior)
-        from .monitor import AcceptanceMonitor
-
-        # the live acceptance monitor (serving/monitor.py): rolling acceptance vs the start-up figure
-        self.monitor = AcceptanceMonitor(expected_tau or prior, self.policy.max_k,
-                                         "the start-up check" if expected_tau else "the drafter's manifest")
+        self.prior_tau = prior  # the drafter's manifest tau (None: unknown)
+        self.monitor = monitor
         self._prior_alpha = self.policy.prior_alpha  # the policy's prior from the manifest, restored on recovery
-        if self.policy.mode == "load_aware":
-            self.monitor.action = ("Load-aware speculation now judges new requests by the measured acceptance "
-                                   "instead of the start-up figure, so drafting turns down where it does not pay.")
         self.max_queue = 4 * rows if max_queue is None else max_queue
         spec = engine.speculative_config
         self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -312,6 +304,8 @@ class BatchScheduler:
         request would draft its trial steps at an acceptance the drafter no longer has. Back to the manifest's
         once the monitor sees the acceptance recover (idle rows are still probed, so it can)."""
         m = self.monitor
+        if m is None:
+            return
         m.observe(rep.trees, rep.accepted)
         if self.policy.mode != "load_aware":
             return
