@@ -642,9 +642,9 @@ def _token_map(args) -> int:
     from .atomic import write_json
     from .drafters.token_map import build_token_map
     from .loading import load_config, load_tokenizer, resolve
-    from .training.selfdistill import read_prompts
+    from .prompts import read_prompts
 
-    texts = [t for _, t in read_prompts(args.prompts)]
+    texts = [r["text"] for r in read_prompts(args.prompts, refuse_eval=True)]
     tok = load_tokenizer(args.model)
     vocab_size = load_config(resolve(args.model))[0].vocab_size  # the model's (its embedding may be padded)
     m = build_token_map(tok, texts, vocab_size, sorted(set(args.prompts)),

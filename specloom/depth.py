@@ -29,9 +29,18 @@ import statistics
 from collections import deque
 
 from .cost import BatchCost
+from .errors import SpecloomError
 
 MODES = ("off", "fixed", "load_aware")
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
+
+
+def speculation_mode(name: str) -> str:
+    """The policy mode a `speculation` setting names ("auto" is "load_aware"); one clear error otherwise."""
+    mode = MODE_ALIASES.get(name, name)
+    if mode not in MODES:
+        raise SpecloomError(f"speculation must be auto (load_aware), fixed or off, got {name!r}")
+    return mode
 
 log = logging.getLogger("specloom")
 
@@ -120,9 +129,7 @@ class DepthPolicy:
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
                  nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,
                  calibrate: bool = True, idle_free: bool | None = None):
-        mode = MODE_ALIASES.get(mode, mode)
-        if mode not in MODES:
-            raise ValueError(f"speculation mode must be one of {MODES} (or auto), got {mode!r}")
+        mode = speculation_mode(mode)
         if mode == "load_aware" and cost is None:
             raise ValueError("load-aware speculation needs a batch cost curve")
         self.mode, self.max_k, self.cost = mode, max_k, cost

@@ -85,7 +85,7 @@ class DoctorReport:
 
 
 def read_doctor_prompts(path: str | None) -> list[str]:
-    from .bench.harness import read_prompts
+    from .prompts import read_prompts
 
     return [p["text"] for p in read_prompts(path or PROMPTS)]
 
@@ -113,8 +113,8 @@ def checkpoint_findings(engine) -> tuple[str | None, list[str], dict | None, flo
 def acceptance_probe(engine, prompts: list[str], max_tokens: int, measure_plain: bool) -> dict:
     """(b): the drafter at its own depth on `prompts` (the chat template where the model has one; greedy); plain
     decoding interleaved."""
-    from .bench.harness import add_per_position
     from .engine import Engine
+    from .results import acceptance_rates, add_per_position
 
     spec = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype,
                   speculation="fixed")
@@ -142,7 +142,7 @@ def acceptance_probe(engine, prompts: list[str], max_tokens: int, measure_plain:
             q = plain.generate(prompt_token_ids=p, max_tokens=len(r.token_ids), ignore_eos=True)
             plain_s += (q.total_seconds - q.prefill_seconds) * (len(r.token_ids) - 1) / max(len(q.token_ids) - 1, 1)
     return {"tokens": tokens, "tau": tokens / max(passes, 1), "draft_seconds": draft_s, "drafted_steps": drafted,
-            "acceptance": [round(a / q, 3) if q else 0.0 for a, q in zip(acc, prop)],
+            "acceptance": [round(a, 3) for a in acceptance_rates(acc, prop)],
             "measured_speedup": plain_s / spec_s if measure_plain and spec_s > 0 else None}
 
 

@@ -29,7 +29,7 @@ from .models import DecoderLM, ForwardOutput
 from .results import GenerationResult, StopChecker, acceptance_rates, mean_accepted_length  # noqa: F401
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
-from .step import Request, Stepper
+from .step import Request, Stepper, joined, prefill_chunk
 from .kv import TREE_SLACK
 from .tokenizer import Tokenizer
 
@@ -46,11 +46,9 @@ class Engine:
         speculation: str = "fixed",
         cost=None,
     ):
-        from .depth import MODE_ALIASES, MODES
+        from .depth import speculation_mode
 
-        mode = MODE_ALIASES.get(speculation, speculation)
-        if mode not in MODES:
-            raise SpecloomError(f"speculation must be auto, fixed or off, got {speculation!r}")
+        mode = speculation_mode(speculation)
         self.model = model
         # None: the model's choice (fp32 on CPU, see DecoderLM.new_kv); a torch dtype or a kv_quant type / name
         self.kv_dtype = kv_dtype_arg(kv_dtype) if isinstance(kv_dtype, str) else kv_dtype
@@ -114,18 +112,10 @@ class Engine:
     def prefill(self, ids: list[int], kv: KVCache, capture: tuple[int, ...] = ()) -> ForwardOutput:
         """Run the prompt through the target in chunks (no sampling); return the logits of the last position
         and, when `capture` asks for them, the hidden states of every prompt position."""
-        out, hidden = None, {c: [] for c in capture}
+        out, hidden = None, {}
         for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start:start + self.prefill_chunk]
-            tokens = torch.tensor([chunk], device=self.model.device)
-            positions = torch.arange(start, start + len(chunk), device=self.model.device)[None]
-            out = self.model(tokens, positions, kv, capture=capture, num_logits=1)
-            kv.commit()
-            for c in hidden:
-                hidden[c].append(out.hidden[c])
-        if capture and len(hidden[capture[0]]) > 1:
-            out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in hidden.items()})
-        return out
+            out = prefill_chunk(self.model, kv, 0, ids[start:start + self.prefill_chunk], start, capture, hidden)
+        return joined(out, hidden)
 
     @torch.inference_mode()
     def generate(

@@ -7,9 +7,25 @@ from dataclasses import asdict, dataclass, field
 from .tree import DraftTree
 
 
-def acceptance_rates(accepted: list[int], proposed: list[int]) -> list[float]:
-    """alpha_k = drafts whose k-th token was accepted / drafts that proposed a k-th token."""
-    return [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+def add_per_position(acc: list[int], xs: list[int] | None) -> None:
+    """acc[i] += xs[i], growing acc as needed (per-position counts summed over drafts or requests)."""
+    for i, x in enumerate(xs or []):
+        if i == len(acc):
+            acc.append(0)
+        acc[i] += x
+
+
+def count_draft(proposed_at: list[int], accepted_at: list[int], depth: int, accepted: int, n: int = 1) -> None:
+    """Count one draft `depth` tokens deep whose first `accepted` were accepted: `n` added at positions
+    0..depth-1 of `proposed_at` and 0..accepted-1 of `accepted_at` (both grown to `depth`); n=-1 takes it back."""
+    add_per_position(proposed_at, [n] * depth)
+    add_per_position(accepted_at, [n] * accepted + [0] * (depth - accepted))
+
+
+def acceptance_rates(accepted: list[int], proposed: list[int], reached_only: bool = False) -> list[float]:
+    """alpha_k = drafts whose k-th token was accepted / drafts that proposed a k-th token; 0.0 where none did,
+    or (`reached_only`) such positions left out."""
+    return [a / p if p else 0.0 for a, p in zip(accepted, proposed) if p or not reached_only]
 
 
 def mean_accepted_length(num_tokens: int, num_passes: int, num_requests: int = 1) -> float:
@@ -94,11 +110,4 @@ class Stats:
             return
         self.drafted += len(tree) - 1
         self.accepted += num_accepted
-        depth = tree.max_depth
-        while len(self.proposed_at) < depth:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
-        for d in range(depth):
-            self.proposed_at[d] += 1
-        for d in range(num_accepted):
-            self.accepted_at[d] += 1
+        count_draft(self.proposed_at, self.accepted_at, tree.max_depth, num_accepted)

@@ -163,6 +163,28 @@ class StepReport:
     accepted: list[int]
 
 
+def prefill_chunk(model, kv, row: int, part: list[int], start: int, capture: tuple[int, ...],
+                  hidden: dict[int, list[torch.Tensor]]) -> ForwardOutput:
+    """Prompt tokens `part` of KV row `row`, at positions start.., through the target and committed; the hidden
+    states `capture` asks for are appended to `hidden[id]` (see `joined`). The one prefill pass of the engine and
+    the scheduler, whether a prompt goes in one chunk or in many between decode steps."""
+    dev = model.device
+    x = torch.tensor([part], device=dev)
+    pos = torch.arange(start, start + len(part), device=dev)[None]
+    out = model(x, pos, kv.begin([row], [len(part)]), capture=capture, num_logits=1)
+    kv.commit(row=row)
+    for c in dict.fromkeys(capture):  # ids may repeat (an EAGLE-3 drafter reading one layer twice)
+        hidden.setdefault(c, []).append(out.hidden[c])
+    return out
+
+
+def joined(out: ForwardOutput, hidden: dict[int, list[torch.Tensor]]) -> ForwardOutput:
+    """The last chunk's logits with every chunk's captured hidden states, in order."""
+    if not hidden:
+        return out
+    return ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in hidden.items()})
+
+
 class Stepper:
     """Runs prefill chunks and speculative steps over rows of one KV store."""
 
@@ -210,22 +232,16 @@ class Stepper:
     def prefill(self, row: Row, budget: int) -> int:
         """Up to `budget` more prompt tokens of `row` (at most `prefill_chunk` at once); after its last chunk the
         first token is sampled and emitted. Returns the tokens prefilled; a failure fails the row alone."""
-        req, dev = row.req, self.model.device
+        req = row.req
         start = row.prefilled
         part = req.ids[start:start + min(budget, self.prefill_chunk)]
         try:
             capture = self.drafter.needs_hidden if row.drafting else ()
-            x = torch.tensor([part], device=dev)
-            pos = torch.arange(start, start + len(part), device=dev)[None]
-            out = self.model(x, pos, self.kv.begin([row.row], [len(part)]), capture=capture, num_logits=1)
-            self.kv.commit(row=row.row)
-            for c in dict.fromkeys(capture):  # ids may repeat (an EAGLE-3 drafter reading one layer twice)
-                row.hidden.setdefault(c, []).append(out.hidden[c])
+            out = prefill_chunk(self.model, self.kv, row.row, part, start, capture, row.hidden)
             row.prefilled += len(part)
             if row.prefilled < len(req.ids):
                 return len(part)
-            if capture:
-                out = ForwardOutput(out.logits, {c: torch.cat(v, 1) for c, v in row.hidden.items()})
+            out = joined(out, row.hidden)
             row.hidden = {}
             logits = out.logits[0, -1]
             if req.constraint is not None:

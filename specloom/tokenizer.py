@@ -89,9 +89,15 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         cached = os.path.join(cache_dir(), "tokenizers", file_cache_key(path))
+        log = logging.getLogger("specloom")
         if os.path.isdir(cached):
-            return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)
-        logging.getLogger("specloom").info("converting the GGUF tokenizer (once; cached in %s)", cached)
+            try:
+                return cls(AutoTokenizer.from_pretrained(cached), eos_token_ids)
+            except Exception as e:  # a cache folder cut short or corrupted: converted again below
+                log.warning("tokenizer cache %s is unreadable (%s): converting the GGUF tokenizer again", cached,
+                            str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                shutil.rmtree(cached, ignore_errors=True)
+        log.info("converting the GGUF tokenizer (once; cached in %s)", cached)
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(cached))

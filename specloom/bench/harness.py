@@ -27,42 +27,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..engine import Engine, acceptance_rates, load, mean_accepted_length
+from ..engine import Engine, load
+from ..results import acceptance_rates, add_per_position, mean_accepted_length
 from ..errors import SpecloomError
+from ..prompts import read_prompts  # noqa: F401  (bench.multi, soak, serve_load, tests and scripts import it here)
 from ..speculative import SpeculativeConfig
-
-
-def read_prompts(
-    path: str, limit: int | None = None, per_category: int | None = None, categories: list[str] | None = None
-) -> list[dict]:
-    """JSONL with `turns[0]` (Spec-Bench, MT-bench) or `prompt`; keeps `category` and an id when present.
-    `categories` keeps only those; `per_category` the first N of each (in file order); `limit` caps the total."""
-    if not os.path.isfile(path):
-        raise SpecloomError(f"{path}: no such prompts file")
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SpecloomError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-            text = (obj.get("turns") or [None])[0] if isinstance(obj, dict) else None
-            text = text if isinstance(text, str) else (obj.get("prompt") if isinstance(obj, dict) else None)
-            if not isinstance(text, str) or not text:
-                raise SpecloomError(f"{path}:{lineno}: needs a non-empty turns[0] or prompt")
-            row = {"id": obj.get("question_id", obj.get("id", lineno)), "category": obj.get("category"), "text": text}
-            if categories and row["category"] not in categories:
-                continue
-            if per_category and sum(r["category"] == row["category"] for r in rows) >= per_category:
-                continue
-            rows.append(row)
-            if limit and len(rows) >= limit:
-                break
-    if not rows:
-        raise SpecloomError(f"{path}: no prompts")
-    return rows
 
 
 @dataclass
@@ -94,14 +63,6 @@ class EngineRunner:
         r = self.engine.generate(prompt_token_ids=ids, max_tokens=max_tokens)
         return Run(r.token_ids, r.total_seconds, r.num_target_passes, r.proposed_per_position,
                    r.accepted_per_position, r.mean_accepted_length, r.draft_seconds, r.prefill_seconds)
-
-
-def add_per_position(acc: list[int], xs: list[int] | None) -> None:
-    """acc[i] += xs[i], growing acc as needed (per-position counts summed over requests)."""
-    for i, x in enumerate(xs or []):
-        if i == len(acc):
-            acc.append(0)
-        acc[i] += x
 
 
 def run_bench(

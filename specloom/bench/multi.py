@@ -15,7 +15,8 @@ import sys
 
 from tqdm import tqdm
 
-from ..engine import Engine, acceptance_rates, load, mean_accepted_length
+from ..engine import Engine, load
+from ..results import acceptance_rates, mean_accepted_length
 from ..errors import SpecloomError
 from ..speculative import SpeculativeConfig
 from .harness import EngineRunner, add_per_position, divergence_margin, kernel_report, print_host, read_prompts

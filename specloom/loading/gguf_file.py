@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,8 +74,14 @@ def gguf_config(path: str) -> dict:
     """Read a GGUF header and return a HF-style config dict (keys as in `config.json`); cached on disk."""
     cached = _config_cache_path(path)
     if os.path.isfile(cached):
-        with open(cached) as f:
-            return json.load(f)
+        try:
+            with open(cached) as f:
+                cfg = json.load(f)
+            if isinstance(cfg, dict) and cfg:
+                return cfg
+            raise ValueError("not a config object")
+        except (OSError, ValueError) as e:  # cut short or corrupt: read the header again and rewrite it
+            logging.getLogger("specloom").warning("GGUF config cache %s is unreadable (%s): rebuilding it", cached, e)
     cfg = _gguf_config(path)
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import threading
 
+from ..results import add_per_position
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -90,10 +92,7 @@ class Metrics:
             self.drafts += result.proposed_per_position[0] if result.proposed_per_position else 0
             self.draft_tokens += result.num_draft_tokens
             self.accepted += result.num_accepted_tokens
-            for i, a in enumerate(result.accepted_per_position):
-                while len(self.accepted_at) <= i:
-                    self.accepted_at.append(0)
-                self.accepted_at[i] += a
+            add_per_position(self.accepted_at, result.accepted_per_position)
             self.latency.observe(seconds)
             if ttft is not None:
                 self.ttft.observe(ttft)

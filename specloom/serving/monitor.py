@@ -48,6 +48,8 @@ import threading
 import time
 from collections import deque
 
+from ..results import acceptance_rates, count_draft
+
 log = logging.getLogger("specloom.serve")
 
 WINDOW = 512  # drafted steps (row-steps with a draft) in the rolling window
@@ -109,21 +111,12 @@ class AcceptanceMonitor:
         self.steps.append((d, a))
         self.accepted += a
         self.examined += a + (1 if a < d else 0)
-        while len(self.proposed_at) < d:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
-        for i in range(d):
-            self.proposed_at[i] += 1
-        for i in range(a):
-            self.accepted_at[i] += 1
+        count_draft(self.proposed_at, self.accepted_at, d, a)
         if len(self.steps) > self.window:
             od, oa = self.steps.popleft()
             self.accepted -= oa
             self.examined -= oa + (1 if oa < od else 0)
-            for i in range(od):
-                self.proposed_at[i] -= 1
-            for i in range(oa):
-                self.accepted_at[i] -= 1
+            count_draft(self.proposed_at, self.accepted_at, od, oa, n=-1)
         self.total_steps += 1
         self._since_check += 1
 
@@ -137,7 +130,7 @@ class AcceptanceMonitor:
     def per_position(self) -> list[float]:
         """Rolling acceptance per draft position (0-based) over the window."""
         # proposed_at never grows with i (a draft reaching i reached every position before it): zeros trail
-        return [a / p for a, p in zip(self.accepted_at, self.proposed_at) if p]
+        return acceptance_rates(self.accepted_at, self.proposed_at, reached_only=True)
 
     @property
     def tau(self) -> float | None:

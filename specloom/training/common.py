@@ -161,6 +161,17 @@ def save_hf_llama(model, path: str, meta: dict) -> None:
         json.dump(raw, f, indent=1)
 
 
+def optimizer_step(opt, params: list, loss: torch.Tensor, clip: float, sync=None) -> None:
+    """One optimizer step: zero the gradients, back-propagate `loss`, `sync(params)` when given (under torchrun:
+    `distributed.sync_grads`), clip the gradient norm of `params` to `clip`, step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if sync is not None:
+        sync(params)
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+
+
 def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup

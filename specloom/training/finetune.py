@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecloomError
-from .common import _lr_at, _plot_losses, save_hf_llama, to_device, train_device
+from .common import _lr_at, _plot_losses, optimizer_step, save_hf_llama, to_device, train_device
 
 
 def answer_loss(model, batch) -> tuple[torch.Tensor, dict]:
@@ -109,10 +109,7 @@ def finetune(args) -> dict:
                 pg["lr"] = _lr_at(step, total, args.lr, args.warmup)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                 loss, metrics = answer_loss(model, batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
+            optimizer_step(opt, params, loss, 1.0)
             step += 1
             history.append({"step": step, "loss": float(loss), **metrics})
             bar.update(1)

@@ -27,7 +27,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import random
@@ -41,6 +40,7 @@ import torch
 
 from ..atomic import remove_stale, write_json, write_text
 from ..errors import SpecloomError
+from ..prompts import read_prompts
 from .magpie import ChatFrame, QueryFilter
 
 QUERY_TOKENS = 128  # at most this many tokens for a Magpie-written user query
@@ -48,40 +48,6 @@ QUERY_TEMPERATURE, QUERY_TOP_P = 1.0, 1.0  # Magpie: the raw distribution
 QUERY_ATTEMPTS = 4
 ANSWER_TOP_P = 1.0  # sampled answers: temperature only (top-p sorts the vocabulary of every row at every step)
 SORT_BLOCK = 256  # jobs are sorted by prompt length within blocks of this many  # a Magpie conversation whose query is dropped this many times is given up
-
-
-def read_prompts(paths: list[str]) -> list[tuple[str, str]]:
-    """(source, user message) for every prompt of the JSONL files (or directories of them) in `paths`."""
-    files: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += sorted(glob.glob(os.path.join(p, "*.jsonl")))
-        elif os.path.isfile(p):
-            files.append(p)
-        else:
-            raise SpecloomError(f"{p}: no such file or directory")
-    for fn in files:
-        if "eval" in os.path.normpath(os.path.abspath(fn)).split(os.sep)[:-1]:
-            raise SpecloomError(f"{fn} lies in an eval/ directory: benchmark prompts are never training data")
-    if not files and paths:
-        raise SpecloomError(f"no .jsonl prompt files found in {paths}")
-    prompts = []
-    for fn in files:
-        source = os.path.splitext(os.path.basename(fn))[0]
-        with open(fn) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise SpecloomError(f"{fn}:{n}: not valid JSON") from None
-                text = (row.get("turns") or [None])[0] if isinstance(row, dict) else None
-                text = text or (row.get("prompt") if isinstance(row, dict) else None)
-                if not isinstance(text, str):
-                    raise SpecloomError(f"{fn}:{n}: expected a 'turns' list or a 'prompt' string")
-                prompts.append((source, text))
-    return prompts
 
 
 @dataclass
@@ -400,7 +366,8 @@ def build_dataset(
         raise SpecloomError(f"--temperature-range needs 0 < low <= high, got {lo} {hi}")
     if not prompt_paths and not magpie:
         raise SpecloomError("give --prompts and/or --magpie N")
-    texts = read_prompts(prompt_paths) if prompt_paths else []
+    texts = ([(r["source"], r["text"]) for r in read_prompts(prompt_paths, refuse_eval=True)]
+             if prompt_paths else [])
     model, tok = load_target(target, dtype, device=device)
     chat = tok.has_chat_template
     encoded, skipped = [], 0

@@ -25,7 +25,7 @@ import torch
 from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
 from . import distributed
-from .common import TRAINERS, _lr_at, _plot_losses, to_device, train_device
+from .common import TRAINERS, _lr_at, _plot_losses, optimizer_step, to_device, train_device
 
 
 # a resumed run must match these (a different recipe in the same --out would mix two runs; --steps and --epochs
@@ -196,11 +196,8 @@ def _train(args, dev: torch.device) -> dict:
                 g["lr"] = _lr_at(step, total, args.lr, args.warmup)
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                 loss, metrics = tr.loss(batch)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            distributed.sync_grads(params)  # the global batch's gradient on every process
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
+            # sync_grads: the global batch's gradient on every process
+            optimizer_step(opt, params, loss, 0.5, sync=distributed.sync_grads)
             step += 1
             # the processes' partial losses and metrics add up to the global batch's
             loss_v, n_seen, *values = distributed.sum_values(

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import SpecloomError
-from ...training.common import _lr_at, _plot_losses, _shift, save_hf_llama, trainer
+from ...training.common import _lr_at, _plot_losses, _shift, optimizer_step, save_hf_llama, trainer
 
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 
@@ -97,10 +97,7 @@ class TargetTrainer:
                     pg["lr"] = _lr_at(step, total, args.lr, args.warmup)
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
                     loss, metrics = joint_loss(model, mtp, batch, args.loss_fraction, g)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                opt.step()
+                optimizer_step(opt, params, loss, 1.0)
                 step += 1
                 history.append({"step": step, "loss": float(loss), **metrics})
                 bar.update(1)
