@@ -174,7 +174,7 @@ def export(target_name: str, speculative_config, out: str, verifier: str | None 
     return report
 
 
-# -- the subcommand (registered by specloom/cli.py) ----------------------------------------------------------------
+# -- the subcommand (registered by specloom/cli/) ----------------------------------------------------------------
 
 def add_parser(sub):
     e = sub.add_parser("export", help="write a drafter in the speculators format (what vLLM serves): eagle3, dflash, "
