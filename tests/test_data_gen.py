@@ -78,7 +78,7 @@ def test_data_through_the_batch_step_resumes_per_job(tiny, tmp_path, capsys):
 def test_interrupted_data_run_keeps_finished_conversations(tiny, tmp_path, capsys, monkeypatch):
     """Ctrl-C (or SIGTERM) mid-run: the finished conversations still in the shard buffer are written, the exit
     status is 130, and the same command resumes with the rest."""
-    from specloom.training import selfdistill
+    from specloom.jobs import data as selfdistill
 
     t = tiny("llama")
     out = str(tmp_path / "d")

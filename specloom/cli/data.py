@@ -36,7 +36,7 @@ def add(sub) -> None:
 def run(args) -> int:
     import sys
 
-    from ..training.selfdistill import build_dataset
+    from ..jobs.data import build_dataset
 
     build_dataset(args.target, args.prompts, args.out, max_new_tokens=args.max_new_tokens, rows=args.rows,
                   max_prompt_tokens=args.max_prompt_tokens, limit=args.limit, magpie=args.magpie,

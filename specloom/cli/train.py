@@ -68,7 +68,7 @@ def add(sub) -> None:
 
 
 def run(args) -> int:
-    from ..training.train import run_training
+    from ..jobs.train import run_training
 
     args.command = "specloom train " + args.kind
     run_training(args)

@@ -1,6 +1,6 @@
 """What every drafter trainer shares: the registry, the base trainer, soft cross-entropy against the target, row
 sampling, shifting, the learning-rate schedule, the loss plot and the HF Llama writer. Kind trainers live with their
-kind (drafters/<kind>/trainer.py) and register with `@trainer("kind")`; `training/train.py` runs the loop.
+kind (drafters/<kind>/trainer.py) and register with `@trainer("kind")`; `jobs/train.py` runs the loop.
 
 A trainer's means over rows (losses and metrics) go through `distributed.total_rows` + `shard_mean`: under torchrun
 each process holds a share of the batch, and these make the processes' partial losses add up to the one-process

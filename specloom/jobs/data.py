@@ -41,7 +41,7 @@ import torch
 from ..atomic import remove_stale, write_json, write_text
 from ..errors import SpecloomError
 from ..prompts import read_prompts
-from .magpie import ChatFrame, QueryFilter
+from ..training.magpie import ChatFrame, QueryFilter
 
 QUERY_TOKENS = 128  # at most this many tokens for a Magpie-written user query
 QUERY_TEMPERATURE, QUERY_TOP_P = 1.0, 1.0  # Magpie: the raw distribution
@@ -198,7 +198,7 @@ class ShardStore:
         self._last_print = 0.0
 
     def load_existing(self) -> None:
-        from .shards import read_shard, shard_files, shard_index
+        from ..training.shards import read_shard, shard_files, shard_index
 
         for fn in shard_files(self.out_dir):
             d, meta = read_shard(fn, ("tokens", "offsets", "loss_mask", "job_ids"))
@@ -246,7 +246,7 @@ class ShardStore:
               f"{rate:.0f} answer tok/s  {el:.0f}s  ETA {eta / 60:.0f} min", file=sys.stderr, flush=True)
 
     def flush(self) -> None:
-        from .shards import write_shard
+        from ..training.shards import write_shard
 
         if not self.buf:
             return

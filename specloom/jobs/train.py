@@ -24,8 +24,8 @@ import torch
 
 from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
-from . import distributed
-from .common import TRAINERS, _lr_at, _plot_losses, optimizer_step, to_device, train_device
+from ..training import distributed
+from ..training.common import TRAINERS, _lr_at, _plot_losses, optimizer_step, to_device, train_device
 
 
 # a resumed run must match these (a different recipe in the same --out would mix two runs; --steps and --epochs
@@ -95,7 +95,7 @@ def run_training(args) -> dict:
 def _train(args, dev: torch.device) -> dict:
     from ..loading import load_target
     from ..drafters.checkpoint import specloom_meta
-    from .dataset import DistillData
+    from ..training.dataset import DistillData
 
     main = distributed.is_main()
     torch.manual_seed(args.seed)
