@@ -53,10 +53,13 @@ def geometric_tokens(alpha: float, k: int) -> float:
 class Acceptance:
     """Decayed counts of accepted drafts and of steps that ended in a rejection: alpha = a / (a + r)."""
 
-    def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8):
+    def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.8, period: int = 8):
         self.a, self.r, self.decay = prior * weight, (1 - prior) * weight, decay
         self.n = 0  # drafted steps observed
         self.seen_a = self.seen_r = 0  # undecayed counts of this row's own drafts (no prior): the evidence
+        self.idle = 0  # steps since this row last drafted (the policy's probe clock) ...
+        self.period = period  # ... and the idle steps after which it is probed (DepthPolicy.explore_base, doubling)
+        self.caught_up = False  # drafted at its previous step: its drafter has no backlog to catch up on
 
     def update(self, proposed_depth: int, accepted: int) -> None:
         if proposed_depth <= 0:
@@ -175,10 +178,7 @@ class DepthPolicy:
                    idle_free=bool(getattr(drafter, "idle_free", cheap)))
 
     def new_acceptance(self) -> Acceptance:
-        acc = Acceptance(prior=self.global_alpha.alpha, weight=2.0)
-        acc.idle, acc.period = 0, self.explore_base
-        acc.caught_up = False  # drafted at its previous step: its drafter has no backlog to catch up on
-        return acc
+        return Acceptance(prior=self.global_alpha.alpha, weight=2.0, period=self.explore_base)
 
     def admit(self, row, drafter) -> None:
         """Give a new row its acceptance counters; in load-aware mode turn a drafter that would not be probed
@@ -190,7 +190,7 @@ class DepthPolicy:
         cap = row.cap(drafter)
         if (self.mode == "load_aware" and row.drafting and not self.probes(cap)
                 and not self.pays_alone(alpha, cap)):
-            row.drafting, row.ctx.state = False, None
+            row.stop_drafting()
 
     def probes(self, cap: int) -> bool:
         """Whether a row that cannot pay now stays on and is probed (else it is turned off): its drafter's idle
@@ -316,7 +316,7 @@ class DepthPolicy:
                     continue  # idle because of the load, not the drafter
                 if not self.probes(c):
                     if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
-                        r.drafting, r.ctx.state = False, None
+                        r.stop_drafting()
                 elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance (the
                     ks[i] = 1  # drafter first catches up over the idle positions: one pass over them)
                     probed.add(i)

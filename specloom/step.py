@@ -88,6 +88,12 @@ class Row:
         """The most drafted tokens one step may still emit (the token budget less the step's own token)."""
         return max(0, self.req.max_tokens - len(self.out) - 1)
 
+    def stop_drafting(self) -> None:
+        """Speculation off for this row for the rest of its request (its drafter state dropped): the one place
+        that turns it off, whether the policy or a failing drafter decides."""
+        self.drafting = False
+        self.ctx.state = None
+
     def cap(self, drafter) -> int:
         """The deepest draft this row may take now (its drafter's depth, the remaining token budget)."""
         if drafter is None or not self.drafting:
@@ -224,8 +230,7 @@ class Stepper:
     def _drafter_failed(self, rows: list[Row], what: str) -> None:
         log.exception("drafter %s failed: speculation off for %d sequence(s)", what, len(rows))
         for r in rows:
-            r.drafting = False
-            r.ctx.state = None
+            r.stop_drafting()
 
     # -- prefill --------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -290,7 +295,7 @@ class Stepper:
                 problem = self._bad_tree(trees[b], rows[b])
                 if problem:
                     log.error("drafter proposed an unusable tree (%s): speculation off for that sequence", problem)
-                    rows[b].drafting, rows[b].ctx.state = False, None
+                    rows[b].stop_drafting()
                     trees[b] = DraftTree([rows[b].tokens[-1]], [-1])
         draft_s = time.perf_counter() - t
         for b, r in enumerate(rows):

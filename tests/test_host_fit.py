@@ -261,6 +261,9 @@ class _Row:
     def __init__(self, pol: DepthPolicy):
         self.drafting, self.ctx, self.acc = True, _Ctx(), pol.new_acceptance()
 
+    def stop_drafting(self):
+        self.drafting, self.ctx.state = False, None
+
 
 def _run_policy(pol: DepthPolicy, report, steps: int, max_k: int) -> tuple[list[int], _Row]:
     """Drive one fake row through `pol.run_step` for up to `steps` steps (until it stops drafting); `report(k, i)`

@@ -74,6 +74,9 @@ def _run(policy, drafter, accepts, steps):
         def __init__(self):
             self.ctx = Ctx()
 
+        def stop_drafting(self):
+            self.drafting, self.ctx.state = False, None
+
     row = Row()
     row.acc = policy.new_acceptance()
     ks = []
