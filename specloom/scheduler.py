@@ -59,6 +59,18 @@ class Sequence(Request):
     def cancel(self) -> None:
         self.cancelled = True
 
+    def settle(self, error: BaseException | None = None) -> None:
+        """Done (failed with `error`, when given): wake the waiters and call `on_done` (a caller's callback must
+        not stop the scheduler)."""
+        if error is not None:
+            self.error = error
+        self.done.set()
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:
+                log.exception("on_done callback failed")
+
     def wait(self, timeout: float | None = None) -> GenerationResult:
         self.done.wait(timeout)
         if self.error is not None:
@@ -165,8 +177,7 @@ class BatchScheduler:
                     error = ShuttingDown(f"the server shut down before this request finished{why}")
                     pending = [r.req for r in self.running] + ([self.prefilling.req] if self.prefilling else [])
                     for s in list(self.waiting) + pending:
-                        s.error = error
-                        s.done.set()
+                        s.settle(error)
                     return
             try:
                 self._iterate()
@@ -225,8 +236,7 @@ class BatchScheduler:
             log.exception("admitting a sequence failed")
             if allocated:
                 self.pool.pop()
-            seq.error = e  # a SpecloomError reaches its client as a 400, anything else as a 500
-            seq.done.set()
+            seq.settle(e)  # a SpecloomError reaches its client as a 400, anything else as a 500
             return True  # the next waiting one may start
         self.prefilling = row
         return True
@@ -238,8 +248,7 @@ class BatchScheduler:
         self.running, self.prefilling = [], None
         for row in rows:
             if not row.req.done.is_set():
-                row.req.error = row.error or error
-                row.req.done.set()
+                row.req.settle(row.error or error)
         try:
             while self.pool.active:
                 self.pool.pop()
@@ -252,8 +261,7 @@ class BatchScheduler:
                 s = self.waiting.popleft()
                 if not s.cancelled:
                     return s
-                s.error = SpecloomError("cancelled")
-                s.done.set()
+                s.settle(SpecloomError("cancelled"))
         return None
 
     def _finish(self, row: Row) -> None:
@@ -263,16 +271,9 @@ class BatchScheduler:
                 seq.result = row.result()
             except Exception as e:  # e.g. its text does not decode: this sequence fails (logged), no other
                 row.fail(e)
-        if row.error is not None:
-            seq.error = row.error
-        else:
+        if row.error is None:
             self.stepper.finished(row)  # before the caller sees it: its next request can draft from this one
-        seq.done.set()
-        if seq.on_done is not None:
-            try:
-                seq.on_done(seq)
-            except Exception:  # a caller's callback must not stop the scheduler
-                log.exception("on_done callback failed")
+        seq.settle(row.error)
 
     def _retire(self) -> None:
         """Finish and remove sequences that are done, failed or cancelled; their pool rows are freed at once. The
@@ -337,3 +338,70 @@ class BatchScheduler:
             self._last_top, self._last_log = top, now
         if self.steps % 200 == 0:
             log.info("step %d: %d running, %d waiting, depth per sequence %s", self.steps, n, len(self.waiting), ks)
+
+
+# -- sizing the pool ---------------------------------------------------------------------------------------------
+def parse_size(text: str | int | None) -> int | None:
+    """'4GiB', '512MB', '2g', '1500000000' -> bytes (None stays None)."""
+    if text is None or isinstance(text, int):
+        return text
+    t = str(text).strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 10 ** 3, "kb": 10 ** 3, "kib": 2 ** 10, "m": 10 ** 6, "mb": 10 ** 6, "mib": 2 ** 20,
+             "g": 10 ** 9, "gb": 10 ** 9, "gib": 2 ** 30, "t": 10 ** 12, "tb": 10 ** 12, "tib": 2 ** 40}
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise SpecloomError(f"cannot read the memory size {text!r} (examples: 4GiB, 512MB, 2000000000)")
+    return int(value * units[unit])
+
+
+def plan_memory(engine, max_num_seqs: int, budget: int | None, kv_dtype=None) -> dict:
+    """How many sequences fit: budget - target weights - drafter weights - activations, divided by one row's
+    target KV (max_model_len + tree slack) plus the drafter's own KV for that row, each at its own KV type
+    (`kv_dtype` for the target, the spec's `kv_cache_dtype` for the drafter; a quantized type's scales counted).
+    Without a budget: max_num_seqs rows. Raises SpecloomError when not even one sequence fits."""
+    from .drafters.base import module_bytes
+    from .kv import kv_bytes_per_token
+    from .kv_quant import kv_type
+
+    model, drafter = engine.model, engine.drafter
+    row_len = engine.max_model_len + TREE_SLACK
+    weights = module_bytes(model)
+    dmem = drafter.memory() if drafter else {"weights": 0, "kv_per_1k_tokens": 0}
+    c = model.config
+    target_row = kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, model.kv_dtype(kv_dtype)) * row_len
+    drafter_row = dmem["kv_per_1k_tokens"] * row_len // 1000  # a drafter's companion row is as long as the target's
+    k = drafter.num_speculative_tokens if drafter else 0
+    widest = max(1, k * 4 + 1)  # padded tree width bound used for the activation estimate
+    per_row_act = widest * (model.config.vocab_size * 4 * 2 + model.config.hidden_size * 4 * 16)
+    plan = {"target_weights": weights, "drafter_weights": dmem["weights"], "target_kv_per_row": target_row,
+            "drafter_kv_per_row": drafter_row, "activations_per_row": per_row_act, "row_tokens": row_len,
+            "budget": budget, "target_kv_dtype": kv_type(model.kv_dtype(kv_dtype)).label,
+            "drafter_kv_dtype": _drafter_kv_label(drafter)}
+    if budget is None:
+        plan["rows"] = max_num_seqs
+    else:
+        free = budget - weights - dmem["weights"]
+        rows = min(max_num_seqs, free // (target_row + drafter_row + per_row_act)) if free > 0 else 0
+        if rows < 1:
+            mb = 2 ** 20
+            raise SpecloomError(
+                f"--memory-budget {budget / mb:.0f} MiB is too small: target weights {weights / mb:.0f} MiB + drafter "
+                f"weights {dmem['weights'] / mb:.0f} MiB + one sequence of {engine.max_model_len} tokens "
+                f"({(target_row + drafter_row + per_row_act) / mb:.0f} MiB of KV cache and activations) do not fit; "
+                "raise the budget or lower --max-model-len")
+        plan["rows"] = int(rows)
+    return plan
+
+
+def _drafter_kv_label(drafter) -> str | None:
+    """The drafter's own KV type as reports name it (None: no drafter or none of its own)."""
+    inner = getattr(drafter, "inner", drafter)  # suffix decoding in front: the model drafter's
+    if inner is None or not getattr(inner, "keeps_kv", False):
+        return None
+    t = inner.kv_cache_dtype
+    return t.label if t is not None else "default"

@@ -185,7 +185,7 @@ def test_load_aware_policy_depth_falls_with_load():
 
 
 def test_memory_budget_sizes_the_pool(tiny):
-    from specloom.serving.api import parse_size, plan_memory
+    from specloom.scheduler import parse_size, plan_memory
 
     t = tiny("llama")
     engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "draft_model", "model": t.path}),

@@ -164,7 +164,7 @@ def test_bytes_per_token(name):
 
 
 def test_memory_plan_counts_target_and_drafter_kv_at_their_types(kinds):
-    from specloom.serving.api import plan_memory
+    from specloom.scheduler import plan_memory
     from specloom.kv import TREE_SLACK
 
     t, _, specs = kinds

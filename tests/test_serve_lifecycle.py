@@ -54,7 +54,7 @@ class _App:
     def __init__(self, target):
         import socket
 
-        from specloom.serving.api import build_app
+        from specloom.serving.app import build_app
 
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))

@@ -36,7 +36,7 @@ class LiveServer:
     def __init__(self, server):
         import uvicorn
 
-        from ..serving.api import build_app
+        from ..serving.app import build_app
 
         self.server = server
         self.port = _free_port()

@@ -55,7 +55,9 @@ def run(args) -> int:
 
     from ..engine import load
     from ..kv_quant import kv_dtype_arg
-    from ..serving.api import Server, build_app, parse_size
+    from ..scheduler import parse_size
+    from ..serving.api import Server
+    from ..serving.app import build_app
     from ..serving.lifecycle import Lifecycle
     from ..serving.listen import listen
 

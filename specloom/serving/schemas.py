@@ -1,14 +1,15 @@
 """Pydantic models of the request bodies (OpenAI's field names and types; strict: `"stream": "no"` is a 400, not a
 truthy string), used to validate each body before it is planned and to give the OpenAPI document real request
-schemas. Ranges that depend on the server (max_tokens against the context, n against the pool) are checked by the
-server itself. Fields OpenAI has and specloom ignores (e.g. `user`, `frequency_penalty`) are accepted."""
+schemas. The validated model is the request the server reads (serving/openai_request.py); only what depends on the
+server (the model name, max_tokens against the context, n against the pool, token ids against the vocabulary) is
+checked there. Fields OpenAI has and specloom ignores (e.g. `user`, `frequency_penalty`) are accepted."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
-from pydantic import model_validator
+from pydantic import field_validator, model_validator
 
 from .http_errors import APIError
 
@@ -16,6 +17,8 @@ from .http_errors import APIError
 # union would be applied to every member (a 4-item cap on `stop` also capped a stop *string* at 4 characters) and
 # written beside `anyOf` in the JSON schema, where no validator reads it: each bound sits on the one member it is for.
 Int64 = Field(default=None, ge=-(2 ** 63), le=2 ** 63 - 1)
+NonEmpty = Field(min_length=1)
+Text = Annotated[StrictStr, NonEmpty]
 
 
 class _Open(BaseModel):
@@ -79,10 +82,18 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: StrictBool | None = None
     response_format: dict[str, Any] | None = None
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v, info):
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]] = Field(
-        description="text, a list of texts, a list of token ids, or a list of token-id lists")
+    prompt: Text | Annotated[list[Text], NonEmpty] | Annotated[list[StrictInt], NonEmpty] | Annotated[
+        list[Annotated[list[StrictInt], NonEmpty]], NonEmpty] = Field(
+        description="text, a list of texts, a list of token ids, or a list of token-id lists (none empty)")
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool | None = None
 
@@ -93,18 +104,18 @@ def _path(loc) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif "[" in part or part in ("str", "int", "float", "bool", "dict", "list") or part[:1].isupper():
+        elif "[" in part or "-" in part or part in ("str", "int", "float", "bool", "dict", "list") or part[:1].isupper():
             continue  # 'list[str]', 'function-after[...]', 'ContentPart': the union member tried, not a field
         else:
             out += ("." if out else "") + part
     return out
 
 
-def validate_body(body: dict, chat: bool) -> None:
-    """Raise APIError(400) naming the first field that does not fit the request model."""
+def validate_body(body: dict, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+    """The body as its request model; APIError(400) naming the first field that does not fit."""
     model = ChatCompletionRequest if chat else CompletionRequest
     try:
-        model.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as e:
         errs = e.errors(include_url=False, include_input=False)
         top = errs[0]["loc"][:1]

@@ -1,0 +1,126 @@
+"""OpenAI body -> one generation request: the validated pydantic model (serving/schemas.py) is read, not checked
+again; only what depends on this server is checked here (the model name, max_tokens against the context, n and
+the number of sequences against the pool, token ids against the vocabulary), plus the tool / structured-output
+plan (serving/tools.py) and the prompts as token ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import SpecloomError
+from .http_errors import APIError
+from .schemas import validate_body
+
+
+@dataclass
+class GenerationRequest:
+    """What a /v1 request asks for, every field decided. One choice per (prompt, n): choice k = prompt * n + i."""
+
+    chat: bool
+    prompts: list[list[int]]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # None: none; else how many alternatives per token
+    plan: object | None = None  # serving/tools.py's ToolPlan, or None
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+
+def read_request(body: dict, chat: bool, server) -> GenerationRequest:
+    """The request `body` asks for, on `server` (a serving/api.py Server); APIError(4xx) naming the field when
+    it cannot be served."""
+    m = validate_body(body, chat)
+    if m.model not in (None, server.model_name):
+        raise APIError(404, f"The model {m.model!r} does not exist (this server serves {server.model_name!r})",
+                       "model", "model_not_found")
+    ctx = server.engine.max_model_len
+    mt_key = "max_completion_tokens" if chat and m.max_completion_tokens is not None else "max_tokens"
+    max_tokens = getattr(m, mt_key)
+    if max_tokens is None:
+        max_tokens = min(256, ctx - 1)
+    elif max_tokens > ctx:
+        raise APIError(400, f"{mt_key} must be an integer in [1, {ctx}], got {max_tokens}", mt_key)
+    n = 1 if m.n is None else m.n
+    if n > server.max_n:
+        raise APIError(400, f"n must be an integer in [1, {server.max_n}], got {n}", "n")
+    plan = _tool_plan(body, chat, server)
+    prompts = [_chat_ids(m, plan, server)] if chat else _completion_ids(m, server)
+    req = GenerationRequest(
+        chat=chat, prompts=prompts, max_tokens=max_tokens, n=n, seed=m.seed, plan=plan,
+        temperature=1.0 if m.temperature is None else float(m.temperature),
+        top_p=1.0 if m.top_p is None else float(m.top_p),
+        stop=[m.stop] if isinstance(m.stop, str) else list(m.stop or []),
+        stream=m.stream is True,
+        include_usage=m.stream_options is not None and m.stream_options.include_usage is True,
+        logprobs=_logprobs(m, chat))
+    if req.choices > server.max_n:
+        raise APIError(400, f"{len(prompts)} prompts x n={n} is {req.choices} sequences; this server runs at most "
+                            f"{server.max_n} at once", "prompt")
+    for ids in prompts:
+        if len(ids) + max_tokens > ctx:
+            raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together they "
+                                f"exceed the model's context of {ctx} tokens", "max_tokens")
+    return req
+
+
+def _logprobs(m, chat: bool) -> int | None:
+    """Chat `logprobs: true` + `top_logprobs` (0-20), completions `logprobs: N` (0-5), as OpenAI."""
+    if chat:
+        return (m.top_logprobs or 0) if m.logprobs else None
+    return m.logprobs
+
+
+def _tool_plan(body: dict, chat: bool, server):
+    """The request's tool / structured-output plan (serving/tools.py), or None."""
+    if not any(body.get(k) is not None for k in ("tools", "tool_choice", "response_format")):
+        return None
+    from .tools import ToolRequestError, plan_request
+
+    if not chat and body.get("tools") is not None:
+        raise APIError(400, "tools are only supported on /v1/chat/completions", "tools")
+    try:
+        return plan_request(body, server.engine.tokenizer)
+    except ToolRequestError as e:
+        raise APIError(400, e.message, e.param) from None
+
+
+def _chat_ids(m, plan, server) -> list[int]:
+    """The chat prompt: content parts keep their text parts; the tool plan's messages when there is one."""
+    msgs = plan.messages if plan is not None else [x.model_dump(exclude_unset=True) for x in m.messages]
+    clean = []
+    for x in msgs:
+        c = x.get("content")
+        if isinstance(c, list):  # OpenAI content parts: keep the text parts
+            c = "".join(p["text"] for p in c if isinstance(p, dict) and p.get("type") == "text"
+                        and isinstance(p.get("text"), str))
+        clean.append({**{k: v for k, v in x.items() if k != "content"}, "content": c or ""})
+    try:
+        kwargs = plan.template_kwargs if plan is not None and plan.template_kwargs else {}
+        return server.engine.tokenizer.encode_chat(clean, special_in_content=server.special_tokens_in_input,
+                                                   **kwargs)
+    except SpecloomError as e:
+        raise APIError(400, str(e), "messages") from None
+
+
+def _completion_ids(m, server) -> list[list[int]]:
+    """One prompt per text, token-id list or item of a list of either."""
+    p = m.prompt
+    items = p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+    vocab = server.engine.model.config.vocab_size
+    out = []
+    for x in items:
+        if isinstance(x, str):
+            out.append(server.engine.tokenizer.encode(x, special=server.special_tokens_in_input))
+            continue
+        if min(x) < 0 or max(x) >= vocab:
+            raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+        out.append(list(x))
+    return out
