@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from specloom.engine import Engine, load  # noqa: E402
 from specloom.sampling import SamplingParams  # noqa: E402
 from specloom.speculative import SpeculativeConfig  # noqa: E402
-from specloom.step import Request, Stepper
+from specloom.step import Request, StepPlan, Stepper  # noqa: E402
 from specloom.kv import TREE_SLACK  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -143,10 +143,9 @@ def lockstep(engines: dict, ids: list[int], max_tokens: int, first: int) -> dict
             row = rows[k]
             if row.finish:
                 continue
-            row.ctx.k = row.cap(engines[k].drafter)
             t0 = time.perf_counter()
             n0 = engines[k].timed.n if engines[k].drafter is not None else 0
-            rep = steppers[k].step([row])
+            rep = steppers[k].step([row], StepPlan([row.cap(engines[k].drafter)]))
             dt = time.perf_counter() - t0
             step[k] = dt if engines[k].drafter is None else rep.draft_seconds
             if engines[k].drafter is not None:

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from specloom.engine import load  # noqa: E402
 from specloom.sampling import SamplingParams  # noqa: E402
-from specloom.step import Request, Stepper
+from specloom.step import Request, StepPlan, Stepper  # noqa: E402
 from specloom.kv import TREE_SLACK  # noqa: E402
 
 
@@ -68,10 +68,8 @@ def measure(engine, prompts, n: int, steps: int, warmup: int) -> dict:
         rows.append(row)
     draft, total, accepted = [], [], 0
     for s in range(warmup + steps):
-        for r in rows:
-            r.ctx.k = engine.drafter.num_speculative_tokens
         t = time.perf_counter()
-        rep = st.step(rows)
+        rep = st.step(rows, StepPlan([engine.drafter.num_speculative_tokens] * len(rows)))
         if s >= warmup:
             draft.append(rep.draft_seconds)
             total.append(time.perf_counter() - t)

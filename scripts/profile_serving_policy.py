@@ -11,12 +11,12 @@ eng = specloom.load("smollm2-135m", {"method": "eagle3"}, progress=False)
 prompts = [json.loads(l)["turns"][0] for l in open("../shared/data/eval/spec_bench.jsonl")][::(37 if ROWS <= 4 else 13)][:2 * ROWS]
 ids = [eng.encode(messages=[{"role": "user", "content": p}], chat=True) for p in prompts]
 log = []
-orig = LA.DepthPolicy.run_step
-def rs(self, stepper, rows, caps=None):
-    alphas = [self.alpha(r.acc) for r in rows]
+orig = LA.DepthPolicy.observe
+def rs(self, rows, plan, rep):
+    alphas, ks = plan.alphas, plan.depths
     own = [r.acc.alpha for r in rows]
     ns = [r.acc.n for r in rows]
-    rep, ks = orig(self, stepper, rows, caps)
+    orig(self, rows, plan, rep)
     n = len(rows)
     pred_c = self.cost(n, rep.width) if self.cost else 1; pred_c1 = self.cost(n, 1) if self.cost else 1
     
@@ -24,8 +24,7 @@ def rs(self, stepper, rows, caps=None):
     got = sum(1 + a for a in rep.accepted)
     log.append(dict(n=n, ks=ks, alphas=alphas, own=own, ns=ns, width=rep.width, exp=exp, got=got,
                     pass_s=rep.pass_seconds, draft_s=rep.draft_seconds, pred_ratio=pred_c / pred_c1, t1=0, dc=self.draft_cost))
-    return rep, ks
-LA.DepthPolicy.run_step = rs
+LA.DepthPolicy.observe = rs
 def run(mode, rows=ROWS):
     cost = LA.batch_cost_cached(eng.model, rows) if mode == "load_aware" else None
     s = BatchScheduler(eng, rows, mode=mode, cost=cost, start=False, max_queue=1 << 20)

@@ -38,19 +38,20 @@ def main():
 
     plain = Engine(eng.model, eng.tokenizer, None, eng.max_model_len, kv_dtype=eng.kv_dtype)  # the bench's plain
     trace = []
-    orig = DepthPolicy.run_step
+    orig_plan, orig_observe = DepthPolicy.plan, DepthPolicy.observe
 
-    def run_step(self, stepper, rs, caps=None):
-        alphas = [self.alpha(r.acc) for r in rs]
-        backlog = [not r.acc.caught_up for r in rs]
-        t0 = time.perf_counter()
-        rep, ks = orig(self, stepper, rs, caps)
-        trace.append(dict(k=ks[0], alpha=round(alphas[0], 2), dc=round(self.draft_cost, 3), backlog=backlog[0],
+    def plan(self, stepper, rs, caps=None):
+        self._t0 = time.perf_counter()
+        return orig_plan(self, stepper, rs, caps)
+
+    def observe(self, rs, p, rep):
+        orig_observe(self, rs, p, rep)
+        ks, alphas, t0 = p.depths, p.alphas, self._t0
+        trace.append(dict(k=ks[0], alpha=round(alphas[0], 2), dc=round(self.draft_cost, 3), backlog=p.backlog,
                           acc=rep.accepted[0], draft_ms=round(rep.draft_seconds * 1e3), pass_ms=round(rep.pass_seconds * 1e3),
                           ms=round((time.perf_counter() - t0) * 1e3), idle=rs[0].acc.idle, period=rs[0].acc.period))
-        return rep, ks
 
-    DepthPolicy.run_step = run_step
+    DepthPolicy.plan, DepthPolicy.observe = plan, observe
     w = eng.encode(rows[0]["text"], chat=True)[:64]
     eng.generate(prompt_token_ids=w, max_tokens=8)
     plain.generate(prompt_token_ids=w, max_tokens=8)

@@ -18,7 +18,13 @@ requests, which starts from the drafter's measured tau (its checkpoint's manifes
 The same mechanism on every host: where verification is nearly free (oneDNN bf16: c(1, 9) ~ 1.2) it drafts deep;
 where a pass costs about its token count (AVX2-only bf16: c(1, 5) ~ 3.3) no depth pays and it decodes plain. The
 curve is measured per host and linear kernel (host/). One copy for `Engine.generate` and the scheduler.
-Imports: cost.py only (the drafter and rows it is handed are duck-typed).
+Each step reads the same three lines wherever it runs (`Engine.generate`, the scheduler):
+
+    plan = policy.plan(stepper, rows)     # advice: a value (depth and tree size per row, probes, free drafts)
+    report = stepper.step(rows, plan)     # the step acts on it
+    policy.observe(rows, plan, report)    # the policy learns (cost curve, acceptance, drafting cost)
+
+Imports: cost.py and step.py's StepPlan (the drafter, stepper and rows it is handed are duck-typed).
 """
 
 from __future__ import annotations
@@ -28,11 +34,24 @@ import math
 import statistics
 from collections import deque
 
+from dataclasses import dataclass, field
+
 from .cost import BatchCost
 from .errors import SpecloomError
+from .step import StepPlan
 
 MODES = ("off", "fixed", "load_aware")
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
+
+
+@dataclass
+class PolicyPlan(StepPlan):
+    """A step's plan with what the policy needs to learn from the step it leads to."""
+
+    alphas: list[float] = field(default_factory=list)  # each row's acceptance as judged when planning
+    free: set[int] = field(default_factory=set)  # rows verifying a free draft (no drafter pass)
+    probed: set[int] = field(default_factory=set)  # idle rows probed at depth 1
+    backlog: bool = False  # some drafted row first catches up this step (its cost is not steady drafting)
 
 
 def speculation_mode(name: str) -> str:
@@ -116,9 +135,9 @@ class DepthPolicy:
     """How deep each row drafts this step; one copy for `Engine.generate` (one row, `speculation="auto"`) and
     the serving scheduler (`--speculation load_aware`).
 
-    `run_step(stepper, rows, caps)` is the whole mechanism: choose a depth per row, size trees to it (a
-    shallower EAGLE-2/MTP tree keeps proportionally fewer nodes), run the step, calibrate the cost curve with the
-    measured pass, update each row's acceptance and the drafting cost. In "load_aware" mode a row whose drafter
+    `plan(stepper, rows, caps)` then `observe(rows, plan, report)` is the whole mechanism: choose a depth per row,
+    size trees to it (a shallower EAGLE-2/MTP tree keeps proportionally fewer nodes); after the step, calibrate the
+    cost curve with the measured pass, update each row's acceptance and the drafting cost. In "load_aware" mode a row whose drafter
     cannot pay even alone falls back to plain decoding. A drafter whose idle steps are free (`idle_free`: its state
     catches up lazily when it next drafts, as every built-in kind's does) stays on and is probed at depth 1 every
     8..64 idle steps (the period doubles while probes do not pay), so a row whose text becomes predictable drafts
@@ -197,8 +216,8 @@ class DepthPolicy:
         steps are free, and it is cheap or some acceptance would pay (a probe could find it)."""
         return self.idle_free and (self.cheap or self.pays_alone(1.0, cap))
 
-    def observe(self, acc: Acceptance, depth: int, nodes: int, accepted: int, draft_seconds: float,
-                step_seconds_1x1: float | None) -> None:
+    def _learn(self, acc: Acceptance, depth: int, nodes: int, accepted: int, draft_seconds: float,
+               step_seconds_1x1: float | None) -> None:
         if depth <= 0:
             return
         acc.update(depth, accepted)
@@ -298,8 +317,11 @@ class DepthPolicy:
         return max(acc.alpha, min(self.prior_alpha, acc.upper()))
 
 
-    def run_step(self, stepper, rows: list, caps: list[int] | None = None):
-        """One step of `rows` (pool rows 0..n-1) at the depths this policy picks; returns (StepReport, depths)."""
+    def plan(self, stepper, rows: list, caps: list[int] | None = None) -> "PolicyPlan":
+        """The depths this policy advises for one step of `rows` (pool rows 0..n-1): a depth per row, trees sized
+        to it (a shallower EAGLE-2/MTP tree keeps proportionally fewer nodes), probes of idle rows, free drafts
+        worth verifying. `caps`: each row's deepest draft (default: its own cap). Nothing is written into the
+        rows' draft contexts: the step acts on the plan (`Stepper.step(rows, plan)`), then `observe`."""
         drafter = stepper.drafter
         if caps is None:
             caps = [r.cap(drafter) for r in rows]
@@ -320,13 +342,11 @@ class DepthPolicy:
                 elif r.acc.idle >= r.acc.period:  # probe: a depth-1 step refreshes this row's acceptance (the
                     ks[i] = 1  # drafter first catches up over the idle positions: one pass over them)
                     probed.add(i)
-        free = self._free_drafts(drafter, rows, ks, caps) if self.mode == "load_aware" else set()
+        free = self._free_drafts(stepper, rows, ks, caps) if self.mode == "load_aware" else set()
         full = self.max_k
-        for i, (r, k) in enumerate(zip(rows, ks)):
-            r.ctx.k = k
-            # a shallower tree keeps proportionally fewer nodes (tree size follows the chosen depth)
-            shrink = self.mode == "load_aware" and self.full_nodes and 0 < k < full  # not for the budget's own cut
-            r.ctx.max_nodes = max(k, -(-self.full_nodes * k // full)) if shrink and i not in free else None
+        shrink = self.mode == "load_aware" and self.full_nodes  # not for the budget's own cut
+        nodes = [max(k, -(-self.full_nodes * k // full)) if shrink and 0 < k < full and i not in free else None
+                 for i, k in enumerate(ks)]
         # a step in which some row's drafter first catches up (over the prompt at the row's first drafted step,
         # over the positions it sat idle after a pause) prices that catch-up as drafting: a 0.5B draft model's
         # prompt prefill read as 2.0 target steps per depth where steady drafting costs 0.48, and one such step
@@ -336,8 +356,13 @@ class DepthPolicy:
         backlog = any(d and not r.acc.caught_up for r, d in zip(rows, drafted))
         for r, d in zip(rows, drafted):
             r.acc.caught_up = d
-        rep = stepper.step(rows)
-        n = len(rows)
+        return PolicyPlan(ks, nodes, alphas, free, probed, backlog)
+
+    def observe(self, rows: list, plan: "PolicyPlan", rep) -> None:
+        """Learn from the step `plan` led to (`rep`, a StepReport): calibrate the cost curve with the measured
+        pass, check the policy's own predictions (`optimism`), update each row's acceptance and the drafting
+        cost."""
+        n, ks, free = len(rows), plan.depths, plan.free
         unit = self.t1
         if self.cost is not None and self.mode == "load_aware":
             if not self.calibrate and not self.cost.frozen and rep.pass_seconds > 0:
@@ -345,14 +370,14 @@ class DepthPolicy:
                 # c = 1 now), since both slow down alike when the host is busy; a calibrated curve (serving)
                 # follows the machine itself, a frozen (forced) one defines its own unit
                 unit = rep.pass_seconds / self.cost(n, rep.width)
-            if unit and rep.pass_seconds > 0 and not backlog:  # before calibration: what the curve predicted
+            if unit and rep.pass_seconds > 0 and not plan.backlog:  # before calibration: what the curve predicted
                 # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
                 drafted_rows = [k for i, k in enumerate(ks) if k > 0 and i not in free]
                 predicted = self.cost(n, rep.width) + sum(drafted_rows) * self.draft_cost
                 measured = (rep.pass_seconds + rep.draft_seconds) / unit
                 if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
                     predicted = measured = 1.0
-                self._account(sum(geometric_tokens(a, k) for a, k in zip(alphas, ks)),
+                self._account(sum(geometric_tokens(a, k) for a, k in zip(plan.alphas, ks)),
                               sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1)
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
@@ -360,24 +385,21 @@ class DepthPolicy:
             if i in free:  # the row's acceptance only: a free draft says nothing of drafting cost or tree size
                 r.acc.update(tree.max_depth, acc)
                 continue
-            self.observe(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, None if backlog else unit)
-            if i in probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
+            self._learn(r.acc, tree.max_depth, len(tree), acc, rep.draft_seconds / n, None if plan.backlog else unit)
+            if i in plan.probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
-        return rep, ks
 
-    def _free_drafts(self, drafter, rows: list, ks: list[int], caps: list[int]) -> set[int]:
+    def _free_drafts(self, stepper, rows: list, ks: list[int], caps: list[int]) -> set[int]:
         """Rows left idle this step (depth 0, drafting, a cap) whose free draft (`Drafter.free_drafts`: no
         drafter pass) is worth verifying: offers best first, each taken while the batch's expected tokens per
         unit of pass time, (tokens + e) / c(n, width), beat those without it by the margin (the width is the
         widest tree of the step). A taken row runs at its tree's depth; returns their indices."""
         idle = [i for i, (r, k, c) in enumerate(zip(rows, ks, caps)) if k == 0 and c > 0 and r.drafting]
-        if drafter is None or not idle:
+        if stepper.drafter is None or not idle:
             return set()
-        for i in idle:
-            rows[i].ctx.k, rows[i].ctx.budget = caps[i], rows[i].budget
         try:
-            offers = drafter.free_drafts([rows[i].ctx for i in idle])
+            offers = stepper.free_drafts([rows[i] for i in idle], [caps[i] for i in idle])
         except Exception:  # a free draft is an extra: without one the step runs as chosen
             log.exception("drafter free_drafts failed: none this step")
             return set()

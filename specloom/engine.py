@@ -6,8 +6,9 @@ same code as the serving scheduler (step.py), over a KV store of one row:
     row = stepper.new_row(request, 0); stepper.prefill(row, len(prompt))       # chunked; samples the first token
     policy.admit(row, drafter)            # DepthPolicy (depth.py), the scheduler's mechanism
     while not row.finish:
-        policy.run_step(stepper, [row])   # depth from the cost curve and this request's acceptance, then
-                                          # propose -> prune -> one target pass -> mask -> verify -> commit
+        plan = policy.plan(stepper, [row])     # depth from the cost curve and this request's acceptance
+        rep = stepper.step([row], plan)        # propose -> prune -> one target pass -> mask -> verify -> commit
+        policy.observe([row], plan, rep)       # the curve, the acceptance and the drafting cost learn
 
 `speculation` picks the depth: "auto" (what `specloom.load` and the CLI use) chooses it every step from this
 host's cached verify-cost curve c(1, n) and the request's acceptance (EWMA, started from the drafter's measured
@@ -161,8 +162,10 @@ class Engine:
             stepper.prefill(row, len(ids))
         depths, drafted = [], 0
         while not row.finish:
-            rep, ks = policy.run_step(stepper, [row])
-            depths.append(ks[0])
+            plan = policy.plan(stepper, [row])
+            rep = stepper.step([row], plan)
+            policy.observe([row], plan, rep)
+            depths.append(plan.depths[0])
             drafted += len(rep.trees[0]) > 1
         if row.error is not None:
             raise row.error

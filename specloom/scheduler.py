@@ -5,8 +5,9 @@ Between steps, waiting requests are admitted into free rows of the KV pool and p
 chunks between steps, so it does not stall the others); finished, failed or cancelled ones leave (their row is
 freed at once, the last running row moves into the hole so the running rows stay 0..n-1). Each step:
 
-    depth per sequence  <- DepthPolicy (off / fixed / load-aware: batch size + each sequence's acceptance)
-    stepper.step(rows)  <- all rows drafted together, one target pass, per-row verify and commit (step.py)
+    plan = policy.plan(stepper, rows)   <- DepthPolicy (off / fixed / load-aware: batch size + acceptance)
+    rep = stepper.step(rows, plan)      <- all rows drafted together, one target pass, per-row verify, commit
+    policy.observe(rows, plan, rep)     <- the cost curve, each sequence's acceptance, the drafting cost
 
 This module keeps admission, the prefill budget, retiring, cancellation and threading; everything a step does
 lives in step.py, shared with `Engine.generate`. Each sequence keeps its own sampling parameters, seed and
@@ -320,7 +321,10 @@ class BatchScheduler:
         n = len(rows)
         off = self.disable_by_batch_size is not None and n >= self.disable_by_batch_size  # vLLM's key
         caps = [0 if off else r.cap(self.drafter) for r in rows]
-        rep, ks = self.policy.run_step(self.stepper, rows, caps)  # depths, tree sizes, the step, calibration
+        plan = self.policy.plan(self.stepper, rows, caps)  # depths and tree sizes: advice, a value
+        rep = self.stepper.step(rows, plan)
+        self.policy.observe(rows, plan, rep)  # calibration, acceptance, drafting cost
+        ks = plan.depths
         self.steps += 1
         try:
             self._monitor(rep)

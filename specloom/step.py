@@ -158,6 +158,19 @@ class Row:
 
 
 @dataclass
+class StepPlan:
+    """What one step is to do, a value the depth policy (depth.py) hands the step: per row its draft depth (0:
+    not drafted) and its tree's node cap (None: the drafter's own size). The step acts on it; nothing else writes a
+    step's fields into a row's DraftContext."""
+
+    depths: list[int]
+    max_nodes: list[int | None] | None = None
+
+    def nodes(self, i: int) -> int | None:
+        return None if self.max_nodes is None else self.max_nodes[i]
+
+
+@dataclass
 class StepReport:
     """What one step did, for the depth policy and the metrics."""
 
@@ -270,14 +283,21 @@ class Stepper:
 
     # -- the step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, rows: list[Row]) -> StepReport:
-        """One speculative step over `rows` (pool rows 0..n-1, in order); each row's `ctx.k` is its depth."""
+    def free_drafts(self, rows: list[Row], caps: list[int]) -> list:
+        """The drafter's free drafts (`Drafter.free_drafts`: no drafter pass) for these rows at these caps."""
+        for r, c in zip(rows, caps):
+            r.ctx.k, r.ctx.max_nodes, r.ctx.budget = c, None, r.budget
+        return self.drafter.free_drafts([r.ctx for r in rows])
+
+    def step(self, rows: list[Row], plan: StepPlan) -> StepReport:
+        """One speculative step over `rows` (pool rows 0..n-1, in order) as `plan` says (each depth capped by
+        the row's own cap: its drafter's depth and its token budget)."""
         n = len(rows)
         if [r.row for r in rows] != list(range(n)):
             raise ValueError(f"a step runs over rows 0..{n - 1} in order, got {[r.row for r in rows]}")
         drafter, dev = self.drafter, self.model.device
-        for r in rows:
-            r.ctx.k, r.ctx.budget = min(r.ctx.k, r.cap(drafter)), r.budget
+        for i, r in enumerate(rows):
+            r.ctx.k, r.ctx.max_nodes, r.ctx.budget = min(plan.depths[i], r.cap(drafter)), plan.nodes(i), r.budget
         trees: list[DraftTree] = [DraftTree([r.tokens[-1]], [-1]) for r in rows]
         drafting = [b for b, r in enumerate(rows) if r.ctx.k > 0]
         t = time.perf_counter()
@@ -336,7 +356,7 @@ class Stepper:
             # a pass with drafts failed: once more without them (uncommitted KV entries are dropped by begin);
             # speculation goes off for the rows that drafted, the output is the target's either way
             self._drafter_failed([rows[b] for b in drafting], "tree (target pass failed)")
-            return self.step(rows)
+            return self.step(rows, plan)
         pass_s = time.perf_counter() - t_pass
 
         # per row: mask, verify with its own generator, commit its path

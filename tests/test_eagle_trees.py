@@ -19,7 +19,7 @@ from specloom.drafters.eagle.model import EagleDraftModel, eagle_config_for, ini
 from specloom.drafters.mtp.format import save_into_target
 from specloom.sampling import SamplingParams
 from specloom.speculative import SpeculativeConfig
-from specloom.step import Request, Stepper
+from specloom.step import Request, StepPlan, Stepper
 from specloom.kv import TREE_SLACK
 from test_hidden_drafters import make_eagle
 from test_mtp import random_mtp
@@ -147,9 +147,7 @@ def trees_of(engine, prompts, ks, budgets, steps, batched):
                     st.prefill(r, 10 ** 9)
         for _ in range(steps):
             for st, rows, idx in groups:
-                for r, i in zip(rows, idx):
-                    r.ctx.k, r.ctx.max_nodes = ks[i], budgets[i]
-                rep = st.step(rows)
+                rep = st.step(rows, StepPlan([ks[i] for i in idx], [budgets[i] for i in idx]))
                 for tree, i in zip(rep.trees, idx):
                     out[i].append((tree.tokens, tree.parents))
     finally:

@@ -319,9 +319,9 @@ def test_poisoned_request_fails_alone_beside_good_ones(live, monkeypatch):
     sizes = []
     real_step = Stepper.step
 
-    def step(self, rows):
+    def step(self, rows, plan):
         sizes.append((len(rows), sum(r.req.constraint is not None for r in rows)))
-        return real_step(self, rows)
+        return real_step(self, rows, plan)
 
     monkeypatch.setattr(Stepper, "step", step)
     for bad in (_bad_tool_call(), _bad_response_format(0)):

@@ -266,20 +266,23 @@ class _Row:
 
 
 def _run_policy(pol: DepthPolicy, report, steps: int, max_k: int) -> tuple[list[int], _Row]:
-    """Drive one fake row through `pol.run_step` for up to `steps` steps (until it stops drafting); `report(k, i)`
-    gives the StepReport of step i drafted `k` deep. Returns the depth chosen per step and the row."""
+    """Drive one fake row through the policy (plan, step, observe) for up to `steps` steps (until it stops
+    drafting); `report(k, i)` gives the StepReport of step i drafted `k` deep. Returns the depth chosen per step and the row."""
     row, ks = _Row(pol), []
 
     class Stepper:
         drafter = None
 
-        def step(self, rows):
-            return report(rows[0].ctx.k, len(ks))
+        def step(self, rows, plan):
+            return report(plan.depths[0], len(ks))
 
     for _ in range(steps):
         if not row.drafting:
             break
-        ks.append(pol.run_step(Stepper(), [row], [max_k])[1][0])
+        stepper = Stepper()
+        plan = pol.plan(stepper, [row], [max_k])
+        pol.observe([row], plan, stepper.step([row], plan))
+        ks.append(plan.depths[0])
     return ks, row
 
 
@@ -350,10 +353,12 @@ def test_a_drafters_catch_up_is_not_priced_as_drafting():
     class Stepper:
         drafter = None
 
-        def step(self, rows):
-            return report(rows[0].ctx.k, 0)
+        def step(self, rows, plan):
+            return report(plan.depths[0], 0)
 
-    pol.run_step(Stepper(), [row], [3])
+    stepper = Stepper()
+    plan = pol.plan(stepper, [row], [3])
+    pol.observe([row], plan, stepper.step([row], plan))
     assert pol.draft_cost == before
 
 

@@ -64,7 +64,8 @@ class _Lazy(Drafter):
 
 
 def _run(policy, drafter, accepts, steps):
-    """`steps` steps of one fake row through policy.run_step; the drafter accepts min(accepts(i), k)."""
+    """`steps` steps of one fake row through the policy (plan, step, observe); the drafter accepts
+    min(accepts(i), k)."""
     class Ctx:
         k, max_nodes, state, budget = 0, None, None, 0
 
@@ -82,8 +83,8 @@ def _run(policy, drafter, accepts, steps):
     ks = []
 
     class Stepper:
-        def step(self, rows):
-            k = rows[0].ctx.k
+        def step(self, rows, plan):
+            k = plan.depths[0]
             tree = DraftTree(list(range(1, k + 2)), list(range(-1, k)))  # a chain k deep
             return StepReport(1, len(tree), 0.02, 0.001 * k, [tree], [min(accepts(len(ks)), k)])
 
@@ -91,7 +92,10 @@ def _run(policy, drafter, accepts, steps):
     for _ in range(steps):
         if not row.drafting:
             break
-        ks.append(policy.run_step(Stepper(), [row], [2])[1][0])
+        stepper = Stepper()
+        plan = policy.plan(stepper, [row], [2])
+        policy.observe([row], plan, stepper.step([row], plan))
+        ks.append(plan.depths[0])
     return ks, row
 
 
@@ -232,14 +236,13 @@ def test_batched_rows_idle_probe_and_stay_exact(drafters):
         pol = sch.policy
         pol.explore_base, pol.explore_max = 3, 12
         steps = []
-        run = pol.run_step
+        observe = pol.observe
 
-        def spy(stepper, rows, caps=None):
-            rep, ks = run(stepper, rows, caps)
-            steps.append((ks, [r.drafting for r in rows]))
-            return rep, ks
+        def spy(rows, plan, rep):
+            observe(rows, plan, rep)
+            steps.append((plan.depths, [r.drafting for r in rows]))
 
-        pol.run_step = spy
+        pol.observe = spy
         try:
             seqs = [Sequence(p, 40, SamplingParams(), ignore_eos=True) for p in prompts]
             sch.submit(seqs)
