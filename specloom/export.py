@@ -25,42 +25,28 @@ import torch
 
 from .errors import SpecloomError
 
-KINDS = ("eagle3", "dflash", "dspark", "mtp")
-NO_FORM = {
-    "eagle": "EAGLE-1 has no speculators kind (0.9.0 has eagle3); the EAGLE-1 directory specloom writes is the "
-             'layout vLLM reads with "method": "eagle"',
-    "medusa": "Medusa has no speculators kind; the Medusa directory specloom writes is the layout vLLM reads with "
-              '"method": "medusa"',
-    "draft_model": "a draft model is an ordinary HF checkpoint: give vLLM its directory as \"model\"",
-    "ngram": "n-gram speculation has no weights (vLLM: \"method\": \"ngram\")",
-    "suffix": "suffix decoding has no weights (vLLM: \"method\": \"suffix\")",
-}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _form(method: str):
+    """Kind `method`'s speculators form (its record's `export`), or a SpecloomError saying why it has none."""
+    from .drafters import KINDS
+
+    kind = KINDS.get(method)
+    if kind is not None and kind.export is not None:
+        return kind.export
+    exportable = ", ".join(n for n, k in KINDS.items() if k.export is not None)
+    why = kind.no_export if kind is not None and kind.no_export else "unknown kind" if kind is None else ""
+    raise SpecloomError(f"{method}: no speculators format" + (f" ({why})" if why else "")
+                        + f" (exportable kinds: {exportable})")
 
 
 def write_speculators(method: str, model, out: str, meta: dict, verifier: str | None = None,
                       verifier_architectures: list[str] | None = None, dtype=torch.bfloat16) -> None:
-    """Write the drafter network `model` (EagleDraftModel for eagle3, BlockDraftModel for dflash / dspark,
-    MTPModel for mtp) in the speculators format into `out`."""
-    if method not in KINDS:
-        raise SpecloomError(f"{method}: no speculators format ({NO_FORM.get(method, 'unknown kind')})"
-                            if method in NO_FORM else f"{method}: no speculators format (speculators kinds: "
-                            f"{', '.join(KINDS)})")
-    kw = dict(dtype=dtype, verifier=verifier or "", verifier_architectures=verifier_architectures)
-    if method == "eagle3":
-        from .drafters.eagle.format import save_eagle
-
-        save_eagle(model, out, meta, fmt="speculators", **kw)
-    elif method == "mtp":
-        from .drafters.mtp.format import save_speculators
-
-        save_speculators(model, out, meta, **kw)
-    else:
-        from .drafters.block.format import save_speculators
-
-        if method == "dflash" and (model.config.markov_rank or model.config.confidence_head):
-            raise SpecloomError("this block drafter has a Markov or confidence head: export it as dspark")
-        save_speculators(model, out, meta, method, **kw)
+    """Write the drafter network `model` (the one its kind's export form names: EagleDraftModel for eagle3,
+    BlockDraftModel for dflash / dspark, MTPModel for mtp) in the speculators format into `out`."""
+    _form(method).save(model, out, meta, dtype=dtype, verifier=verifier or "",
+                       verifier_architectures=verifier_architectures)
 
 
 def validate(path: str) -> dict:
@@ -138,32 +124,25 @@ def export(target_name: str, speculative_config, out: str, verifier: str | None 
     spec = SpeculativeConfig.parse(speculative_config)
     if spec is None:
         raise SpecloomError('--speculative-config is required, e.g. \'{"method": "eagle3"}\'')
-    if spec.method not in KINDS:
-        raise SpecloomError(f"{spec.method}: no speculators format: {NO_FORM.get(spec.method, '')}".rstrip(": ")
-                            + f" (exportable kinds: {', '.join(KINDS)})")
+    form = _form(spec.method)
     if dtype not in DTYPES:
         raise SpecloomError(f"unknown --dtype {dtype!r} (bf16, fp16, fp32)")
     if os.path.isdir(out) and os.listdir(out):
         raise SpecloomError(f"{out}: exists and is not empty")
-    if spec.method == "mtp":  # before any weights load: only a Qwen3 target's MTP layer has a speculators form
+    if form.check_target is not None:  # before any weights load
         from .loading import load_config, resolve
 
-        model_type = load_config(resolve(target_name))[0].model_type
-        if model_type != "qwen3":
-            raise SpecloomError(f"{target_name}: a {model_type} target; the speculators mtp format has Qwen3 decoder "
-                                "layers only (qwen3, qwen3_next, qwen3_5): its MTP layers have no speculators form")
+        form.check_target(load_config(resolve(target_name))[0].model_type, target_name)
     target, tokenizer = load_target(target_name, "fp32", progress=False, device=device)
     drafter = create_drafter(spec, target, tokenizer)
-    net = drafter.mtp if spec.method == "mtp" else drafter.model
+    net = form.net(drafter)
     meta = dict((drafter.checkpoint or {}).get("meta") or {})
     ver, archs = _verifier_of(target_name, target)
     ver = verifier or ver
     write_speculators(spec.method, net, out, meta, ver, archs, DTYPES[dtype])
-    tokens = {"eagle3": lambda: spec.num_speculative_tokens or meta.get("depth") or 3,
-              "mtp": lambda: spec.num_speculative_tokens or 1,
-              }.get(spec.method, lambda: spec.num_speculative_tokens or net.config.num_drafts)()
+    tokens = form.tokens(spec, meta, net)
     report = {"out": out, "method": spec.method, "verifier": ver, "source": (drafter.checkpoint or {}).get("path"),
-              "vllm": vllm_command(spec.method, os.path.abspath(out), ver, tokens) if spec.method != "mtp" else None}
+              "vllm": vllm_command(spec.method, os.path.abspath(out), ver, tokens) if form.vllm else None}
     try:
         report["validated"] = validate(out)
     except SpecloomError as e:

@@ -21,7 +21,6 @@ from .drafters import DRAFTERS, KINDS, Kind
 from .drafters.suffix.hybrid import KEYS as HYBRID_KEYS
 from .errors import SpecloomError
 
-KNOWN_METHODS = ("ngram", "suffix", "draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark")
 MAX_SPECULATIVE_TOKENS = 64
 COMMON_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "disable_by_batch_size",
                "suffix_decoding", "kv_cache_dtype"}
@@ -38,25 +37,25 @@ def _suffix_keys() -> dict:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
+    """The common keys, plus `options`: the method's own keys (and the hybrid's, with suffix_decoding) as
+    checked by their kinds, read as attributes (`spec.tree_width`; None where not given)."""
+
     method: str
     model: str | None = None
     num_speculative_tokens: int | None = None
-    prompt_lookup_min: int | None = None
-    prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
-    tree_width: int | None = None
-    num_draft_tokens: int | None = None
-    confidence_threshold: float | None = None
-    suffix_decoding_max_tree_depth: int | None = None
-    suffix_decoding_max_cached_requests: int | None = None
-    suffix_decoding_max_spec_factor: float | None = None
-    suffix_decoding_min_token_prob: float | None = None
     suffix_decoding: bool = False  # suffix decoding in front of the method's drafter (drafters/suffix/hybrid.py)
-    suffix_decoding_min_score: float | None = None
     kv_cache_dtype: str | None = None  # the drafter's own KV type (kv_quant.KV_TYPES name; None: its default)
-    draft_vocab: int | None = None  # draft_model: score only this many most frequent tokens (drafters/token_map.py)
-    token_map: str | None = None  # draft_model: the token-map file ranking them (None: the bundled one)
-    draft_kernel: str | None = None  # draft_model: the draft model's linear kernel (None: its host-fitted choice)
+    options: tuple = ()  # ((key, value), ...) sorted: the kind's own keys that were given
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "options":
+            raise AttributeError(name)
+        if name in dict(self.options):
+            return dict(self.options)[name]
+        if name in _all_keys():
+            return None  # a key some kind takes, not given here
+        raise AttributeError(f"{type(self).__name__!r} has no key {name!r}")
 
     @classmethod
     def parse(cls, spec: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -76,7 +75,7 @@ class SpeculativeConfig:
         if method is None and spec.get("model"):
             method = "draft_model"  # vLLM infers the method from the model; a plain model means a draft model
         if not isinstance(method, str):
-            raise SpecloomError("--speculative-config needs a \"method\" (one of " + ", ".join(KNOWN_METHODS) + ")")
+            raise SpecloomError("--speculative-config needs a \"method\" (one of " + ", ".join(DRAFTERS) + ")")
         k = spec.get("num_speculative_tokens")
         if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise SpecloomError(
@@ -87,15 +86,8 @@ class SpeculativeConfig:
             raise SpecloomError(f"disable_by_batch_size must be a positive integer, got {d!r}")
         if spec.get("draft_tensor_parallel_size", 1) != 1:
             raise SpecloomError("draft_tensor_parallel_size must be 1 (specloom runs on one device)")
-        if method not in KINDS and method in DRAFTERS:  # registered without a record: common keys only
-            KINDS[method] = Kind(method, DRAFTERS[method])
-        if method not in KINDS:
-            if method in KNOWN_METHODS:
-                raise SpecloomError(
-                    f"speculative method {method!r} is not available yet in this version of specloom "
-                    f"(available: {', '.join(sorted(KINDS)) or 'none'})"
-                )
-            raise SpecloomError(f"unknown speculative method {method!r} (known: {', '.join(KNOWN_METHODS)})")
+        if method not in DRAFTERS:
+            raise SpecloomError(f"unknown speculative method {method!r} (known: {', '.join(DRAFTERS)})")
         kind = KINDS[method]
         hybrid = spec.get("suffix_decoding", False)
         if not isinstance(hybrid, bool):
@@ -117,7 +109,7 @@ class SpeculativeConfig:
             if spec[key] is not None:
                 own[key] = keys[key](key, spec[key])
         return cls(method=method, model=spec.get("model"), num_speculative_tokens=k, disable_by_batch_size=d,
-                   suffix_decoding=hybrid, kv_cache_dtype=kv_type, **own)
+                   suffix_decoding=hybrid, kv_cache_dtype=kv_type, options=tuple(sorted(own.items())))
 
 
 def _kv_cache_dtype(value, kind: Kind) -> str | None:

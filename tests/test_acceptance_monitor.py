@@ -219,8 +219,8 @@ def _scheduler(t, drafter, log_steps):
     attach_monitor(sch, window=128, min_steps=64, check_every=32)
     step = sch.stepper.step
 
-    def logged(rows):
-        rep = step(rows)
+    def logged(rows, plan):
+        rep = step(rows, plan)
         log_steps.append((rep.rows, rep.width, sum(1 for tr in rep.trees if len(tr) > 1)))
         return rep
 

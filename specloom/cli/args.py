@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-
-def positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
-    return n
+from ..training.options import positive_int  # noqa: F401  (one copy: the kinds' train options use it)
 
 
 def seconds(value: str) -> float:

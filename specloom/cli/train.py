@@ -7,8 +7,6 @@ from .args import positive_int, device_option
 
 def add(sub) -> None:
     p = sub.add_parser("train", help="train a drafter on `specloom data` output")
-    p.add_argument("kind", help="medusa | eagle | eagle3 | draft_model | mtp | dflash | dspark | target (a new small "
-                   "model trained from scratch jointly with --mtp N MTP layers; --target names its tokenizer)")
     p.add_argument("--target", required=True, help="the target model the data was made with")
     p.add_argument("--data", required=True, nargs="+", help="directories written by `specloom data`")
     p.add_argument("--out", required=True, help="output checkpoint directory (rerun to resume)")
@@ -19,36 +17,17 @@ def add(sub) -> None:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens-per-batch", type=positive_int, default=4096)
-    p.add_argument("--ttt-steps", type=positive_int, default=3, help="training-time-test unroll (eagle, eagle3)")
-    p.add_argument("--draft-vocab", type=positive_int, default=None,
-                   help="draft vocabulary size: the most frequent answer tokens (eagle3: default 8192; medusa: "
-                        "default the whole vocabulary, a smaller one makes the heads' output layer cheaper)")
-    p.add_argument("--draft-vocab-coverage", type=float, default=None,
-                   help="eagle3, medusa: choose the draft vocabulary as the fewest tokens covering this share of "
-                        "the answer tokens (at most --draft-vocab)")
     p.add_argument("--loss-fraction", type=float, default=0.5,
                    help="fraction of positions scored per batch by large-vocabulary losses (speed knob)")
-    p.add_argument("--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
-    p.add_argument("--medusa-heads", type=positive_int, default=4)
-    p.add_argument("--draft-layers", type=positive_int, default=None,
-                   help="draft_model: target layers kept (default 2); dflash, dspark: draft layers (default 1)")
-    p.add_argument("--block-size", type=positive_int, default=None,
-                   help="dflash, dspark: tokens per block (default: dflash 6 = 5 drafts, dspark 5 = 5 drafts)")
-    p.add_argument("--num-anchors", type=positive_int, default=32,
-                   help="dflash, dspark: blocks (anchors) trained per sequence and batch")
-    p.add_argument("--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
-    p.add_argument("--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla",
-                   help="dspark: Markov head type")
-    p.add_argument("--draft-intermediate", type=positive_int, default=None,
-                   help="dflash, dspark: MLP width of the draft layers (default: half the target's)")
-    p.add_argument("--mask-token-id", type=int, default=None,
-                   help="dflash, dspark: the MASK token of the block (default: the highest-id special token that "
-                        "is not BOS/EOS/pad and never occurs in the data, e.g. SmolLM2's <empty_output>)")
     import importlib
 
     from ..drafters import KINDS
+    from ..jobs.train import load_trainers
 
-    for module in dict.fromkeys(m for kind in KINDS.values() for m in kind.trainers):  # kinds' own options
+    trainers = load_trainers()  # each kind's record names its trainer modules; they add the kind's own options
+    p.add_argument("kind", help=" | ".join(trainers) + " (target: a new small model trained from scratch jointly "
+                   "with --mtp N MTP layers; --target names its tokenizer)")
+    for module in dict.fromkeys(m for kind in KINDS.values() for m in kind.trainers):
         add = getattr(importlib.import_module(module), "add_arguments", None)
         if add is not None:
             add(p)

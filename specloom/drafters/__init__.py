@@ -1,13 +1,30 @@
 """Drafters, one sub-package per kind (its drafter, the network shared by training and inference, its checkpoint
 formats and its trainer): ngram, suffix, draft_model, medusa, eagle (eagle, eagle3), mtp, block (dflash, dspark).
 
-Each kind registers itself with one record (`@register(name, keys, trainers)` in base.py: the drafter class, its
-own `--speculative-config` keys with their checks, its trainer modules); importing this package registers all of
-them. The engine looks a method up in `DRAFTERS` / `KINDS` and never branches on its name."""
+Each kind is one record (base.py `Kind`: the drafter class, its own `--speculative-config` keys with their checks,
+its checkpoint format, its speculators export form, its trainers and their `specloom train` options), filled by
+decorators in its own folder. Importing this package imports every sub-package (`discover`), so adding a kind is
+adding its folder: nothing outside it names it. The engine looks a method up in `DRAFTERS` / `KINDS` and never
+branches on its name. May import: the core below the engine (models, kv, tree, verify, loading, training's
+toolkit), never the engine, serving/ or bench/."""
 
-from . import block, draft_model, eagle, medusa, mtp, ngram, suffix  # noqa: F401  (registration)
+import importlib
+import pkgutil
+
 from .base import DRAFTERS, KINDS, DraftContext, Drafter, Kind, register
-from .suffix.hybrid import SuffixFirst
+
+
+def discover() -> list[str]:
+    """Import every kind folder on this package's path (each registers its record); returns the kinds known."""
+    for m in pkgutil.iter_modules(__path__):
+        if m.ispkg:
+            importlib.import_module(f"{__name__}.{m.name}")
+    return list(KINDS)
+
+
+discover()
+
+from .suffix.hybrid import SuffixFirst  # noqa: E402  (suffix decoding in front of any kind)
 
 
 def kv_cache_type(spec):
@@ -24,4 +41,4 @@ def create_drafter(spec, target, tokenizer) -> Drafter:
     return SuffixFirst.wrap(drafter, spec, target.config) if spec.suffix_decoding else drafter
 
 
-__all__ = ["DRAFTERS", "KINDS", "DraftContext", "Drafter", "Kind", "create_drafter", "register"]
+__all__ = ["DRAFTERS", "KINDS", "DraftContext", "Drafter", "Kind", "create_drafter", "discover", "register"]

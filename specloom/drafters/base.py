@@ -16,12 +16,14 @@ Each `DraftContext` names its row of the target's KV store (`ctx.kv`, `ctx.row`)
 keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows move and free
 together. `needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the
 drafter reads; the step captures them in every target pass. Drafters without a batched pass (n-gram, test
-drafters) implement `propose_one(ctx)` instead of `propose`. Drafter classes register under their `method` name
-with `@register("name")` and are built by `create(spec, target, tokenizer)`; the engine never branches on it.
+drafters) implement `propose_one(ctx)` instead of `propose`. A kind is one record (`Kind`: drafter, config keys,
+checkpoint format, export form, trainers with their options), filled by decorators in its own folder
+(`@register`, `@checkpoint_format`, `@export_form`, `@trainer`); the engine never branches on a kind's name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +33,6 @@ from ..kv import kv_bytes_per_token
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 
-DRAFTERS: dict[str, type["Drafter"]] = {}
 
 
 def module_bytes(*modules) -> int:
@@ -71,28 +72,117 @@ def float_key(lo: float, hi: float):
 TREE_KEYS = {"tree_width": int_key(1, 16), "num_draft_tokens": int_key(1, 256)}
 
 
-@dataclass(frozen=True)
+@dataclass
+class ExportForm:
+    """How a kind is written in the speculators format (what vLLM serves): `save(net, out, meta, dtype=,
+    verifier=, verifier_architectures=)`; `net(drafter)` the network written; `tokens(spec, meta, net)` the
+    draft depth named in vLLM's command; `check_target(model_type, target_name)` refuses, before any weights
+    load, a target whose drafter has no speculators form; `vllm` False: no `vllm serve` line (the drafter is
+    part of the target checkpoint)."""
+
+    save: Callable
+    net: Callable = None  # default: the drafter's `model`
+    tokens: Callable = None  # default: the spec's num_speculative_tokens, else the network's num_drafts
+    check_target: Callable | None = None
+    vllm: bool = True
+
+    def __post_init__(self):
+        self.net = self.net or (lambda drafter: drafter.model)
+        self.tokens = self.tokens or (lambda spec, meta, net: spec.num_speculative_tokens or net.config.num_drafts)
+
+
+@dataclass
 class Kind:
-    """One drafter kind: its drafter class, its own --speculative-config keys (name -> check(name, value) that
-    returns the value or raises SpecloomError) and the modules whose import registers its trainers."""
+    """One drafter kind, everything about it in one record, filled from its own folder (drafters/<kind>/):
+
+    * `drafter`: the class (`@register(name, keys, trainers)` on it), built by `create(spec, target, tokenizer)`;
+    * `keys`: its own `--speculative-config` keys, name -> check(name, value) returning the value or raising
+      SpecloomError (speculative.py takes them as the spec's options);
+    * `format`: its checkpoint format (`@checkpoint_format(name)`, drafters/checkpoint.py: `read_config`,
+      `build`, `save`), or None for kinds without weights;
+    * `export`: its speculators form (`@export_form(name)`, an ExportForm), or `no_export`: why there is none;
+    * `trainers`: the modules whose import registers its trainer classes (`@trainer(name)`, into `trained`) and
+      whose `add_arguments(parser)` adds their `specloom train` options.
+    """
 
     name: str
-    drafter: type
+    drafter: type | None = None
     keys: dict = field(default_factory=dict)
     trainers: tuple[str, ...] = ()
+    format: object | None = None
+    export: ExportForm | None = None
+    no_export: str | None = None
+    trained: dict = field(default_factory=dict)  # trainer name -> class (`specloom train <name>`)
 
 
 KINDS: dict[str, Kind] = {}
 
 
-def register(name: str, keys: dict | None = None, trainers: tuple[str, ...] = ()):
+def kind(name: str) -> Kind:
+    """The record of kind `name`, made empty on first mention (its folder's modules fill it in any order)."""
+    if name not in KINDS:
+        KINDS[name] = Kind(name)
+    return KINDS[name]
+
+
+class _Drafters(MutableMapping):
+    """method name -> drafter class, read from the kind records (kinds with a drafter only). Setting one makes a
+    record with that drafter and no keys of its own (a test's scripted drafter); deleting one drops its record."""
+
+    def __getitem__(self, name):
+        k = KINDS.get(name)
+        if k is None or k.drafter is None:
+            raise KeyError(name)
+        return k.drafter
+
+    def __setitem__(self, name, cls):
+        KINDS[name] = Kind(name, cls)
+
+    def __delitem__(self, name):
+        del KINDS[name]
+
+    def __iter__(self):
+        return (n for n, k in KINDS.items() if k.drafter is not None)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+DRAFTERS = _Drafters()
+
+
+def register(name: str, keys: dict | None = None, trainers: tuple[str, ...] = (), no_export: str | None = None):
+    """Class decorator: the drafter of kind `name`, its `--speculative-config` keys, its trainer modules (".trainer":
+    relative to the kind's folder) and (for a kind without a speculators form) why it has none."""
     def deco(cls):
-        if name in DRAFTERS:
+        k = kind(name)
+        if k.drafter is not None:
             raise ValueError(f"drafter {name!r} registered twice")
-        DRAFTERS[name] = cls
-        KINDS[name] = Kind(name, cls, dict(keys or {}), tuple(trainers))
+        package = cls.__module__.rsplit(".", 1)[0]  # ".trainer": a module of the kind's own folder
+        mods = tuple(package + m if m.startswith(".") else m for m in trainers)
+        k.drafter, k.keys, k.trainers, k.no_export = cls, dict(keys or {}), mods, no_export
         cls.method = name
         return cls
+
+    return deco
+
+
+def trainer(name: str, of: str | None = None):
+    """Class decorator: the trainer `specloom train <name>` runs, in the record of kind `of` (default: `name`;
+    mtp's folder also trains a new target jointly with its MTP layers: `@trainer("target", of="mtp")`)."""
+    def deco(cls):
+        kind(of or name).trained[name] = cls
+        cls.kind = name
+        return cls
+
+    return deco
+
+
+def export_form(name: str, **options):
+    """Function decorator: `save` of kind `name`'s speculators form (ExportForm's other fields as options)."""
+    def deco(save):
+        kind(name).export = ExportForm(save, **options)
+        return save
 
     return deco
 

@@ -1,6 +1,6 @@
 """Drafter checkpoints: finding them (bundled or a path), validating files, recording and checking the target.
 
-Each drafter kind registers a format module (`@checkpoint_format("eagle3")`) with `read_config(path, raw)`,
+Each drafter kind registers its format in its record (`@checkpoint_format("eagle3")`, drafters/base.py `Kind`) with `read_config(path, raw)`,
 `build(path, raw, target)` and `save(model, path, meta)`; this module holds what they share:
 
 * `find_drafter_dir(model, method, target_config)`: the user's path, or the drafter bundled with specloom for
@@ -28,18 +28,24 @@ import torch
 from ..behaviour import check_behaviour, record_probe
 from ..errors import SpecloomError
 from ..fingerprint import compare, fingerprint
+from .base import KINDS, kind
 
 log = logging.getLogger("specloom")
 BUNDLED = os.path.join(os.path.dirname(os.path.dirname(__file__)), "bundled")
-FORMATS: dict[str, object] = {}
-
-
 def checkpoint_format(method: str):
+    """Decorator: kind `method`'s checkpoint format (its record's `format`, drafters/base.py)."""
     def deco(obj):
-        FORMATS[method] = obj
+        kind(method).format = obj
         return obj
 
     return deco
+
+
+def _format(method: str):
+    fmt = KINDS[method].format if method in KINDS else None
+    if fmt is None:
+        raise SpecloomError(f"no checkpoint format registered for {method!r}")
+    return fmt
 
 
 def _target_key(cfg) -> dict:
@@ -115,10 +121,7 @@ def _load_json(path: str) -> dict:
 
 def read_drafter_config(path: str, method: str) -> dict:
     raw = _load_json(os.path.join(path, "config.json"))
-    fmt = FORMATS.get(method)
-    if fmt is None:
-        raise SpecloomError(f"no checkpoint format registered for {method!r}")
-    fmt.read_config(path, raw)  # raises on a checkpoint of another kind
+    _format(method).read_config(path, raw)  # raises on a checkpoint of another kind
     return raw
 
 
@@ -266,14 +269,14 @@ def load_drafter(path: str, method: str, target, tokenizer):
     """Read, build and check a drafter for `target`. Returns (model, specloom meta dict)."""
     raw = read_drafter_config(path, method)
     meta = raw.get("specloom") or {}
-    model = FORMATS[method].build(path, raw, target)
+    model = _format(method).build(path, raw, target)
     check_target(meta, target, tokenizer, path)
     return model, meta
 
 
 def save_drafter(method: str, model, path: str, meta: dict, **kw) -> None:
     os.makedirs(path, exist_ok=True)
-    FORMATS[method].save(model, path, meta, **kw)
+    _format(method).save(model, path, meta, **kw)
 
 
 def specloom_meta(kind: str, target, tokenizer, feature_ids, **extra) -> dict:

@@ -25,7 +25,7 @@ import torch
 from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
 from ..training import distributed
-from ..training.common import TRAINERS, _lr_at, _plot_losses, optimizer_step, to_device, train_device
+from ..training.common import _lr_at, _plot_losses, optimizer_step, to_device, train_device
 
 
 # a resumed run must match these (a different recipe in the same --out would mix two runs; --steps and --epochs
@@ -51,13 +51,14 @@ def _cache_bytes(args) -> int:
 
 
 def load_trainers() -> dict:
-    """Import every drafter kind's trainer modules (named by the kind's record), which register themselves."""
+    """Every trainer `specloom train` knows, name -> class: each drafter kind's trainer modules (named by its
+    record) are imported and register themselves in it."""
     from ..drafters import KINDS
 
     for kind in KINDS.values():
         for module in kind.trainers:
             importlib.import_module(module)
-    return TRAINERS
+    return {name: cls for kind in KINDS.values() for name, cls in kind.trained.items()}
 
 
 
@@ -77,22 +78,22 @@ def evaluate(tr, data, index, args, max_batches: int = 8) -> dict:
 
 
 def run_training(args) -> dict:
-    load_trainers()
-    if args.kind not in TRAINERS:
-        raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(TRAINERS))})")
-    if getattr(TRAINERS[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
+    trainers = load_trainers()
+    if args.kind not in trainers:
+        raise SpecloomError(f"unknown drafter kind {args.kind!r} (choose from {', '.join(sorted(trainers))})")
+    if getattr(trainers[args.kind], "standalone", False):  # `train target`: its own loop, nothing frozen
         if distributed.env_world_size() > 1:
             raise SpecloomError(f"specloom train {args.kind} runs in one process (its own loop: a new target, or "
                                 "--init-from fine-tuning); multi-process training (torchrun) covers the drafter kinds")
-        return TRAINERS[args.kind].run(args)
+        return trainers[args.kind].run(args)
     with distributed.session(train_device(args)) as dev:
         # the other processes of a torchrun run load, check and train alike: their notes and progress bars would
         # repeat rank 0's (an error still reaches the command line, which prints it after this block)
         with contextlib.nullcontext() if distributed.is_main() else contextlib.redirect_stderr(io.StringIO()):
-            return _train(args, dev)
+            return _train(args, dev, trainers[args.kind])
 
 
-def _train(args, dev: torch.device) -> dict:
+def _train(args, dev: torch.device, trainer_cls) -> dict:
     from ..loading import load_target
     from ..drafters.checkpoint import specloom_meta
     from ..training.dataset import DistillData
@@ -106,7 +107,7 @@ def _train(args, dev: torch.device) -> dict:
     tdtype = "fp32" if dev.type == "cpu" and not mkldnn_bf16() else "bf16"
     target, tokenizer = load_target(args.target, tdtype, pack=False, device=dev)
     L = target.config.num_layers
-    ids = tuple(sorted({*TRAINERS[args.kind].data_ids(L), L}))
+    ids = tuple(sorted({*trainer_cls.data_ids(L), L}))
     data = DistillData(args.data, ids, max_tokens=args.max_data_tokens)
     if not data.meta.get("capture") and dev.type == "cpu":
         # hidden states are recomputed per batch: by a second copy of the target in the host's packed inference
@@ -127,10 +128,10 @@ def _train(args, dev: torch.device) -> dict:
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)" + (f"; {distributed.world()} processes, each on its share of every batch"
                                             if distributed.world() > 1 else ""), file=sys.stderr, flush=True)
-    for key, value in TRAINERS[args.kind].arg_defaults.items():
+    for key, value in trainer_cls.arg_defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    tr = TRAINERS[args.kind](target, tokenizer, data, args)
+    tr = trainer_cls(target, tokenizer, data, args)
     tr.model.to(dev)  # built on the CPU (the draft model trainer's: already on the target's device)
     if args.init_from:
         tr.init_from(args.init_from)
@@ -250,7 +251,7 @@ def _finish(tr, data, eval_idx, args, target, tokenizer, history, evals, step, s
         "data": args.data, "data_tokens": data.num_tokens,
         "data_meta": [{k: m.get(k) for k in ("target", "num_prompts", "max_new_tokens", "prompt_files")}
                       for m in data.metas],
-        "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": args.ttt_steps,
+        "steps": step, "seed": args.seed, "lr": args.lr, "ttt_steps": getattr(args, "ttt_steps", None),
         "train_seconds_this_run": round(wall, 1), "held_out": ev, "answer_tokens_seen": seen,
         "learning_curve": evals, **({"processes": distributed.world()} if distributed.world() > 1 else {}),
     })

@@ -1,6 +1,7 @@
-"""What every drafter trainer shares: the registry, the base trainer, soft cross-entropy against the target, row
+"""What every drafter trainer shares: the base trainer, soft cross-entropy against the target, row
 sampling, shifting, the learning-rate schedule, the loss plot and the HF Llama writer. Kind trainers live with their
-kind (drafters/<kind>/trainer.py) and register with `@trainer("kind")`; `jobs/train.py` runs the loop.
+kind (drafters/<kind>/trainer.py) and register in their kind's record with `@trainer("kind")` (drafters/base.py);
+`jobs/train.py` runs the loop.
 
 A trainer's means over rows (losses and metrics) go through `distributed.total_rows` + `shard_mean`: under torchrun
 each process holds a share of the batch, and these make the processes' partial losses add up to the one-process
@@ -14,18 +15,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-
-TRAINERS: dict[str, type] = {}
-
-
-def trainer(kind: str):
-    def deco(cls):
-        TRAINERS[kind] = cls
-        cls.kind = kind
-        return cls
-
-    return deco
-
 
 def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """Per-row cross-entropy against the target's soft distribution (rows, V)."""

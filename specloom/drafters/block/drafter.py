@@ -188,12 +188,12 @@ class BlockDrafter(Drafter):
         return chains(ctxs, drafts, qs)
 
 
-@register("dflash", {"confidence_threshold": float_key(0.0, 1.0)}, ("specloom.drafters.block.trainer",))
+@register("dflash", {"confidence_threshold": float_key(0.0, 1.0)}, (".trainer",))
 class DFlashDrafter(BlockDrafter):
     pass
 
 
-@register("dspark", {"confidence_threshold": float_key(0.0, 1.0)}, ("specloom.drafters.block.trainer",))
+@register("dspark", {"confidence_threshold": float_key(0.0, 1.0)}, (".trainer",))
 class DSparkDrafter(BlockDrafter):
     @classmethod
     def find(cls, spec, target_config) -> str:

@@ -34,6 +34,7 @@ from ...config_fields import (bool_field, check_attention_shape, float_field, in
                              str_field, sub_dict)
 from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
+from ..base import export_form
 from ..checkpoint import (add_to_target_checkpoint, checkpoint_format, read_prefixed, read_tensors, take,
                           weights_file)
 from ..speculators_format import SPECULATORS_VERSION, rope_keys, speculators_config
@@ -424,3 +425,17 @@ class DSparkFormat(_BlockFormat):
             add_to_target_dir(model, path, meta, **kw)
         else:
             raise ValueError(f"unknown DSpark format {fmt!r} (overlay | speculators | target)")
+
+
+@export_form("dflash")
+def save_dflash_speculators(model: BlockDraftModel, path: str, meta: dict, **kw) -> None:
+    """`specloom export`'s form of a DFlash drafter (one with a Markov or confidence head is a DSpark one)."""
+    if model.config.markov_rank or model.config.confidence_head:
+        raise SpecloomError("this block drafter has a Markov or confidence head: export it as dspark")
+    save_speculators(model, path, meta, "dflash", **kw)
+
+
+@export_form("dspark")
+def save_dspark_speculators(model: BlockDraftModel, path: str, meta: dict, **kw) -> None:
+    """`specloom export`'s form of a DSpark drafter."""
+    save_speculators(model, path, meta, "dspark", **kw)

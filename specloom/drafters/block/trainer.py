@@ -21,7 +21,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...training.common import _Base, _soft_ce, trainer
+from ...training.common import _Base, _soft_ce
+from ..base import trainer
+from ...training.options import draft_layers_option, option, positive_int, warm_start_option
 from ...training.distributed import shard_mean, total_rows
 
 DECAY = 4.0  # slot weight exp(-(k-1)/DECAY), DeepSpec / speculators default
@@ -192,3 +194,20 @@ class DSparkTrainer(_BlockTrainer):
         from ..checkpoint import save_drafter
 
         save_drafter("dspark", self.model, path, {**meta, "target": self.args.target}, fmt="overlay")
+
+
+def add_arguments(t) -> None:
+    """`specloom train dflash | dspark` options."""
+    draft_layers_option(t)
+    option(t, "--block-size", type=positive_int, default=None,
+           help="dflash, dspark: tokens per block (default: dflash 6 = 5 drafts, dspark 5 = 5 drafts)")
+    option(t, "--num-anchors", type=positive_int, default=32,
+           help="dflash, dspark: blocks (anchors) trained per sequence and batch")
+    option(t, "--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
+    option(t, "--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla", help="dspark: Markov head type")
+    option(t, "--draft-intermediate", type=positive_int, default=None,
+           help="dflash, dspark: MLP width of the draft layers (default: half the target's)")
+    option(t, "--mask-token-id", type=int, default=None,
+           help="dflash, dspark: the MASK token of the block (default: the highest-id special token that is not "
+                "BOS/EOS/pad and never occurs in the data, e.g. SmolLM2's <empty_output>)")
+    warm_start_option(t)

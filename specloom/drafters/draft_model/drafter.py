@@ -58,7 +58,8 @@ def _kernel_key(name, v):
 
 @register("draft_model", {"tree_width": TREE_KEYS["tree_width"], "draft_vocab": int_key(1, 1 << 22),
                           "token_map": _path_key, "draft_kernel": _kernel_key},
-          ("specloom.drafters.draft_model.trainer",))
+          (".trainer",),
+          no_export='a draft model is an ordinary HF checkpoint: give vLLM its directory as "model"')
 class DraftModelDrafter(Drafter):
     keeps_kv = True
     # Idle steps are free: nothing happens at depth 0 (`seen` stays), the next `propose` feeds the draft model

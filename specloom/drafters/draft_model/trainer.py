@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama
+from ..base import trainer
+from ...training.options import draft_layers_option
 from ...training.distributed import shard_mean, total_rows
 
 
@@ -63,3 +65,8 @@ class DraftModelTrainer(_Base):
 
         m, _ = load_target(path, "fp32", pack=False, progress=False)
         self.model.load_state_dict(m.state_dict(), strict=False)
+
+
+def add_arguments(t) -> None:
+    """`specloom train draft_model` options."""
+    draft_layers_option(t)

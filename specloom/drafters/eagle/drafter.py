@@ -340,12 +340,14 @@ class EagleDrafter(Drafter):
                 for b, (c, n) in enumerate(zip(ctxs, n_keep))]
 
 
-@register("eagle", TREE_KEYS, ("specloom.drafters.eagle.trainer",))
+@register("eagle", TREE_KEYS, (".trainer",),
+          no_export="EAGLE-1 has no speculators kind (0.9.0 has eagle3); the EAGLE-1 directory specloom writes is the "
+                    'layout vLLM reads with "method": "eagle"')
 class Eagle1Drafter(EagleDrafter):
     eagle3 = False
 
 
-@register("eagle3", TREE_KEYS, ("specloom.drafters.eagle.trainer",))
+@register("eagle3", TREE_KEYS, (".trainer",))
 class Eagle3Drafter(EagleDrafter):
     eagle3 = True
 

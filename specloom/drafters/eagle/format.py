@@ -22,6 +22,7 @@ import torch
 from ...config_fields import check_attention_shape, config_dict, float_field, int_field, layer_ids, sub_dict
 from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
+from ..base import export_form
 from ..checkpoint import checkpoint_format, read_tensors, take, weights_file
 from ..speculators_format import SPECULATORS_VERSION, rope_keys, speculators_config
 from .model import EagleConfig, EagleDraftModel
@@ -246,3 +247,9 @@ class Eagle1Format(_EagleFormat):
 class Eagle3Format(_EagleFormat):
     eagle3 = True
     method = "eagle3"
+
+
+@export_form("eagle3", tokens=lambda spec, meta, net: spec.num_speculative_tokens or meta.get("depth") or 3)
+def save_eagle3_speculators(model: EagleDraftModel, path: str, meta: dict, **kw) -> None:
+    """`specloom export`'s form of an EAGLE-3 drafter: the speculators eagle3 layout (what vLLM serves)."""
+    save_eagle(model, path, meta, fmt="speculators", **kw)

@@ -8,7 +8,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, trainer
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary
+from ..base import trainer
+from ...training.options import draft_vocabulary_options, option, positive_int, warm_start_option
 from ...training.distributed import shard_mean, total_rows
 
 
@@ -25,10 +27,11 @@ def warm_start(model, target, layer: int) -> None:
 
 
 def add_arguments(t) -> None:
-    t.add_argument("--warm-start-layer", type=int, default=None,
-                   help="eagle3: start the draft layer from this target layer (e.g. -1: the last); dflash, dspark: "
-                        "the draft layers from this and the following target layers (e.g. -3 on SmolLM2: the "
-                        "layer that reads the last target feature)")
+    """`specloom train eagle | eagle3` options."""
+    option(t, "--ttt-steps", type=positive_int, default=3, help="training-time-test unroll (eagle, eagle3)")
+    option(t, "--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
+    draft_vocabulary_options(t)
+    warm_start_option(t)
 
 
 @trainer("eagle3")

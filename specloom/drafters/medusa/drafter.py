@@ -109,7 +109,9 @@ def default_choices(num_heads: int, accuracy: list[list[float]] | None, num_node
     return sorted((pp for _, pp in paths), key=lambda x: (len(x), x))
 
 
-@register("medusa", {"num_draft_tokens": TREE_KEYS["num_draft_tokens"]}, ("specloom.drafters.medusa.trainer",))
+@register("medusa", {"num_draft_tokens": TREE_KEYS["num_draft_tokens"]}, (".trainer",),
+          no_export="Medusa has no speculators kind; the Medusa directory specloom writes is the layout vLLM reads "
+                    'with "method": "medusa"')
 class MedusaDrafter(Drafter):
     # Idle steps are free: the state is one reference to the target's hidden state at the last accepted node
     # (set by every `on_verified`); there is nothing to catch up.

@@ -11,7 +11,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, to_device, trainer
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, draft_vocabulary, to_device
+from ..base import trainer
+from ...training.options import draft_vocabulary_options, option, positive_int
 from ...training.distributed import shard_mean, total_rows
 
 
@@ -105,3 +107,9 @@ def topk_accuracy(tr, data, index, args, max_batches: int = 4) -> list[list[floa
             hits[k] += (top == tgt[:, None]).float().sum(0).cpu()
             count[k] += int(ok.sum())
     return (hits / count.clamp(min=1)[:, None]).tolist()
+
+
+def add_arguments(t) -> None:
+    """`specloom train medusa` options."""
+    option(t, "--medusa-heads", type=positive_int, default=4)
+    draft_vocabulary_options(t)

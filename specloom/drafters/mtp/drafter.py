@@ -46,7 +46,7 @@ class _MTPAdapter:
         return logits
 
 
-@register("mtp", TREE_KEYS, ("specloom.drafters.mtp.trainer", "specloom.drafters.mtp.train_target"))
+@register("mtp", TREE_KEYS, (".trainer", ".train_target"))
 class MTPDrafter(EagleDrafter):
     def __init__(self, mtp, depth: int, width: int, num_nodes: int | None):
         self.mtp = mtp

@@ -25,6 +25,7 @@ import torch
 
 from ...config_fields import int_field, sub_dict
 from ...errors import SpecloomError
+from ..base import export_form
 from ..checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
 from .model import MTPModel
 
@@ -183,6 +184,15 @@ def save_into_target(model: MTPModel, target_dir: str, meta: dict, dtype=torch.b
                              "specloom_mtp", meta)
 
 
+def _qwen3_only(model_type: str, target_name: str) -> None:
+    """Only a Qwen3 target's MTP layer has a speculators form (checked before any weights load)."""
+    if model_type != "qwen3":
+        raise SpecloomError(f"{target_name}: a {model_type} target; the speculators mtp format has Qwen3 decoder "
+                            "layers only (qwen3, qwen3_next, qwen3_5): its MTP layers have no speculators form")
+
+
+@export_form("mtp", net=lambda drafter: drafter.mtp, tokens=lambda spec, meta, net: spec.num_speculative_tokens or 1,
+             check_target=_qwen3_only, vllm=False)
 def save_speculators(model: MTPModel, path: str, meta: dict, dtype=torch.bfloat16, verifier: str = "",
                      verifier_architectures: list[str] | None = None) -> None:
     """The speculators `mtp` layout (what its MTPDraftModel loads): one MTP layer of a Qwen3 target. Its

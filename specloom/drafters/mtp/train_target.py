@@ -23,12 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import SpecloomError
-from ...training.common import _lr_at, _plot_losses, _shift, optimizer_step, save_hf_llama, trainer
+from ...training.common import _lr_at, _plot_losses, _shift, optimizer_step, save_hf_llama
+from ..base import trainer
 
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 
 
-@trainer("target")
+@trainer("target", of="mtp")
 class TargetTrainer:
     standalone = True  # has its own loop: nothing is frozen, no distillation data needed
 

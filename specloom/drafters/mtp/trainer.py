@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama, trainer
+from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama
+from ..base import trainer
 from ...training.distributed import shard_mean, total_rows
 
 

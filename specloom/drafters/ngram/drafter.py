@@ -14,7 +14,8 @@ DEFAULT_K = 4
 DEFAULT_MIN, DEFAULT_MAX = 1, 4
 
 
-@register("ngram", {"prompt_lookup_min": int_key(1, 64), "prompt_lookup_max": int_key(1, 64)})
+@register("ngram", {"prompt_lookup_min": int_key(1, 64), "prompt_lookup_max": int_key(1, 64)},
+          no_export='n-gram speculation has no weights (vLLM: "method": "ngram")')
 class NgramDrafter(Drafter):
     idle_free = True  # the history array is grown from the tokens when it next drafts
 

@@ -60,7 +60,7 @@ class SuffixState:
     "suffix_decoding_max_cached_requests": int_key(0, 10 ** 6),
     "suffix_decoding_max_spec_factor": float_key(0, 64),
     "suffix_decoding_min_token_prob": float_key(0, 1),
-})
+}, no_export='suffix decoding has no weights (vLLM: "method": "suffix")')
 class SuffixDrafter(Drafter):
     idle_free = True  # the row's trie takes the tokens added since it last drafted (`_sync`)
 
