@@ -93,6 +93,8 @@ class BatchCost:
 
         lo = at(n0, t0) + (at(n0, t1) - at(n0, t0)) * ft
         hi = at(n1, t0) + (at(n1, t1) - at(n1, t0)) * ft
+        if ft > 1:  # past the widest pass measured: never cheaper than it (a noisy last segment may slope down)
+            lo, hi = max(lo, at(n0, t1)), max(hi, at(n1, t1))
         return max(lo + (hi - lo) * fn, 1e-9)
 
     def _interp_row(self, t: float) -> float:
@@ -102,7 +104,8 @@ class BatchCost:
         for a, b in zip(xs, xs[1:]):
             if t <= b:
                 break
-        return self.seconds[(r, a)] + (self.seconds[(r, b)] - self.seconds[(r, a)]) * (t - a) / (b - a)
+        v = self.seconds[(r, a)] + (self.seconds[(r, b)] - self.seconds[(r, a)]) * (t - a) / (b - a)
+        return max(v, self.seconds[(r, b)]) if t > b else v  # past the widest pass measured: never cheaper
 
     def observe(self, n: int, t: int, seconds: float, weight: float = 0.2) -> None:
         """Calibrate online with a measured pass: scale the grid points around (n, t) towards what this pass cost

@@ -318,7 +318,7 @@ class DepthPolicy:
 
 
     def plan(self, stepper, rows: list, caps: list[int] | None = None) -> "PolicyPlan":
-        """The depths this policy advises for one step of `rows` (pool rows 0..n-1): a depth per row, trees sized
+        """The depths this policy advises for one step of `rows` (any pool rows): a depth per row, trees sized
         to it (a shallower EAGLE-2/MTP tree keeps proportionally fewer nodes), probes of idle rows, free drafts
         worth verifying. `caps`: each row's deepest draft (default: its own cap). Nothing is written into the
         rows' draft contexts: the step acts on the plan (`Stepper.step(rows, plan)`), then `observe`."""

@@ -1,22 +1,26 @@
 """The one KV store: preallocated rows of key/value slots, one row per sequence, written by slot.
 
     kv = KVCache(layers, kv_heads, head_dim, max_len, dtype, device, batch=rows, active=0)   # a pool of rows
-    r = kv.allocate()                                  # the next free row (active rows are always 0..n-1)
-    p = kv.begin([r], [T])                             # a pass over rows writing T entries each (pending)
-    model(tokens, positions, p, ...)                   # the model writes through p (models/context.py)
+    r = kv.allocate()                                  # the lowest free row
+    p = kv.begin(rows, sizes)                          # a pass over any rows, row b writing sizes[b] entries
+    model(p.spread(tokens), p.spread(positions), p, ...)   # the model runs over the pass's span (below)
+    y = p.pick(output)                                 # the pass's rows back out of the span
     kv.commit(row=r) | kv.commit(path, row=r)          # keep all pending entries of a row, or those at `path`
     kv.truncate(n, row=r)                              # keep slots [0, n) of a row
-    kv.move(src, dst); kv.pop()                        # the last active row moves into a hole; free the last row
+    kv.free(r)                                         # the row is free again (no other row moves)
 
+Rows are addressed by index: a sequence keeps its row from `allocate` to `free`, whatever else comes and goes.
 Row r's slots `[0, lengths[r])` hold its committed sequence (slot i holds position i of that sequence, its RoPE
-position in `slot_pos`). A pass over rows r0..r0+n-1 writes row b's T new entries at `[lengths_b, lengths_b + T)`;
-they are *pending* until committed: all of them, or an accepted root-to-leaf path gathered into contiguous slots.
-In a ragged pass (`sizes`) row b's first sizes[b] entries are real, the rest padding that is never committed.
-Nothing is ever zeroed: rejected slots are overwritten by the next pass (as in gpt-fast).
+position in `slot_pos`). A pass writes row r's T new entries at `[lengths[r], lengths[r] + T)`; they are *pending*
+until committed: all of them, or an accepted root-to-leaf path gathered into contiguous slots. A pass over rows
+that are not neighbours runs over their *span* (`RowSpan`: the lowest to the highest of them): the rows between
+take part as padding (zero real entries, never committed), so every layer reads the store's rows as a view, never
+a copy. In a ragged pass (`sizes`) row b's first sizes[b] entries are real, the rest padding that is never
+committed. Nothing is ever zeroed: rejected slots are overwritten by the next pass (as in gpt-fast).
 
 A plain cache is the same object with every row active (`active=None`); `commit()`/`truncate(n)` without a row
 apply to every row of the last pass. Drafters keep their own keys/values in *companion* stores of the target's
-store (`companion(key, make)`): same rows, moved and freed together, so row r of every store is one sequence.
+store (`companion(key, make)`): same rows, allocated and freed together, so row r of every store is one sequence.
 
 The store's type (kv_quant.py, `--kv-cache-dtype`) is a plain dtype (fp32, bf16, fp16: keys/values stored as they
 are) or a quantized one (fp8_e4m3, fp8_e5m2, int8: codes plus one fp32 scale per token and head, `k_scale` /
@@ -70,7 +74,8 @@ class KVCache:
         self.slot_pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)  # RoPE position of each slot
         self.rows, self.max_len = batch, max_len
         self.lengths = [0] * batch  # committed slots per row
-        self.active = batch if active is None else active  # rows [0, active) are in use
+        n = batch if active is None else active
+        self.used = [r < n for r in range(batch)]  # rows held by a sequence (None: all; an int: the first ones)
         self._pass: KVPass | None = None
         self._companions: dict = {}
 
@@ -97,15 +102,24 @@ class KVCache:
         return n
 
     @property
+    def active(self) -> int:
+        """How many rows are held by a sequence."""
+        return sum(self.used)
+
+    @property
     def free_rows(self) -> int:
         return self.rows - self.active
+
+    def used_rows(self) -> list[int]:
+        return [r for r in range(self.rows) if self.used[r]]
 
     @property
     def length(self) -> int:
         """Committed slots of a single-row store (or of every row, when they agree)."""
-        if self.rows == 1 or len(set(self.lengths[:max(self.active, 1)])) == 1:
-            return self.lengths[0]
-        raise ValueError(f"rows hold different lengths {self.lengths[:self.active]}: ask for one row")
+        lengths = [self.lengths[r] for r in self.used_rows()] or self.lengths[:1]
+        if self.rows == 1 or len(set(lengths)) == 1:
+            return lengths[0]
+        raise ValueError(f"rows hold different lengths {lengths}: ask for one row")
 
     @property
     def pending(self) -> int:
@@ -113,47 +127,25 @@ class KVCache:
 
     # -- rows ------------------------------------------------------------------------------------------------
     def allocate(self) -> int:
-        if self.active >= self.rows:
+        """Hold the lowest free row (in this store and its companions); returns it."""
+        free = [r for r in range(self.rows) if not self.used[r]]
+        if not free:
             raise SpecloomError("the KV pool is full")
-        r = self.active
+        r = free[0]
         for s in self._stores():
-            s.active = r + 1
+            s.used[r] = True
             s.lengths[r] = 0
         return r
 
-    @torch.inference_mode()  # companion stores are made inside inference mode (by drafters)
-    def move(self, src: int, dst: int) -> None:
-        """Copy row `src`'s committed entries into row `dst` (both active; `src` keeps its copy until popped)."""
-        if src == dst:
-            return
-        if not (0 <= src < self.active and 0 <= dst < self.active):
-            raise ValueError(f"rows {src} -> {dst}: not active ({self.active} active)")
+    def free(self, row: int) -> None:
+        """Free `row` (in this store and its companions); no other row moves."""
+        if not 0 <= row < self.rows or not self.used[row]:
+            raise ValueError(f"row {row} is not in use")
         for s in self._stores():
-            n = s.lengths[src]
-            s.k[:, dst, :, :n] = s.k[:, src, :, :n]
-            s.v[:, dst, :, :n] = s.v[:, src, :, :n]
-            s.slot_pos[dst, :n] = s.slot_pos[src, :n]
-            if s.k_scale is not None:
-                s.k_scale[:, dst, :, :n] = s.k_scale[:, src, :, :n]
-                s.v_scale[:, dst, :, :n] = s.v_scale[:, src, :, :n]
-            s.lengths[dst] = n
-
-    def pop(self) -> None:
-        """Free the last active row."""
-        if self.active == 0:
-            raise ValueError("no active row")
-        for s in self._stores():
-            s.active -= 1
-            s.lengths[s.active] = 0
-
-    def release(self, row: int) -> int | None:
-        """Free `row`; the last active row moves into it. Returns the index of the row that moved (now `row`)."""
-        last = self.active - 1
-        if not 0 <= row <= last:
-            raise ValueError(f"row {row} is not active")
-        self.move(last, row)
-        self.pop()
-        return last if row != last else None
+            s.used[row] = False
+            s.lengths[row] = 0
+            if s._pass is not None and row in s._pass.members:
+                s._pass = None
 
     def reset(self) -> None:
         for s in self._stores():
@@ -162,13 +154,13 @@ class KVCache:
 
     def companion(self, key, make: Callable[[int, int], "KVCache"]) -> "KVCache":
         """The companion store registered under `key`, made on first use by `make(rows, max_len)`: a drafter's
-        own keys/values, one row per row of this store, moved and freed with it."""
+        own keys/values, one row per row of this store, allocated and freed with it."""
         store = self._companions.get(key)
         if store is None:
             store = make(self.rows, self.max_len)
             if store.rows != self.rows:
                 raise ValueError(f"a companion store needs {self.rows} rows, got {store.rows}")
-            store.active = self.active
+            store.used = list(self.used)
             store.lengths = [0] * store.rows
             self._companions[key] = store
         return store
@@ -180,23 +172,25 @@ class KVCache:
 
     # -- passes ----------------------------------------------------------------------------------------------
     def begin(self, rows: Sequence[int] | None = None, sizes: Sequence[int] | int | None = None) -> "KVPass":
-        """Start a pass over the contiguous rows `rows` (None: every active row), row b writing sizes[b] real
-        entries, padded to max(sizes). Drops any uncommitted entries of an earlier pass."""
-        rows = list(range(self.active)) if rows is None else list(rows)
-        if not rows or rows != list(range(rows[0], rows[0] + len(rows))):
-            raise ValueError(f"a pass needs contiguous rows, got {rows}")
-        if rows[0] < 0 or rows[-1] >= self.active:
-            raise ValueError(f"rows {rows} are not all active ({self.active} active)")
+        """Start a pass over `rows` (any rows in use, in the order the caller's tensors hold them; None: every
+        row in use), row b writing sizes[b] real entries, padded to max(sizes). The model runs over the pass's
+        span (`KVPass.spread` / `pick`). Drops any uncommitted entries of an earlier pass."""
+        rows = self.used_rows() if rows is None else list(rows)
+        if not rows or len(set(rows)) != len(rows):
+            raise ValueError(f"a pass needs distinct rows, got {rows}")
+        if any(not 0 <= r < self.rows or not self.used[r] for r in rows):
+            raise ValueError(f"rows {rows} are not all in use (in use: {self.used_rows()})")
         sizes = [sizes] * len(rows) if isinstance(sizes, int) else list(sizes)
         if len(sizes) != len(rows):
             raise ValueError(f"{len(sizes)} sizes for {len(rows)} rows")
+        span = RowSpan(rows)
         T = max(sizes)
-        for r in rows:
+        for r in range(span.lo, span.lo + span.n):  # padding rows write (never commit) their T slots too
             if self.lengths[r] + T > self.max_len:
                 raise SpecloomError(
                     f"sequence too long: {self.lengths[r]} cached + {T} new tokens exceeds the KV capacity of "
                     f"{self.max_len} tokens")
-        self._pass = KVPass(self, rows, sizes, T)
+        self._pass = KVPass(self, span, span.spread_list(sizes), T)
         return self._pass
 
     def open(self, T: int) -> "KVPass":
@@ -231,9 +225,9 @@ class KVCache:
             if path is None or len(path) == 0:
                 return
             raise ValueError("no pending entries to commit")
-        rows = p.rows if row is None else [row]
+        rows = p.members if row is None else [row]
         for r in rows:
-            if r not in p.rows:
+            if r not in p.members:
                 raise ValueError(f"row {r} has no pending entries")
             b = r - p.rows[0]
             start = self.lengths[r]
@@ -257,37 +251,86 @@ class KVCache:
                         self.v_scale[:, r, :, start:start + n] = self.v_scale[:, r, :, src]
             self.lengths[r] = start + n
             p.done.add(r)
-        if len(p.done) == len(p.rows):
+        if len(p.done) == len(p.members):
             self._pass = None
 
     def truncate(self, length: int, *, row: int | None = None) -> None:
-        """Keep slots [0, length) of `row` (None: every active row); a length inside a pending block keeps its
+        """Keep slots [0, length) of `row` (None: every row in use); a length inside a pending block keeps its
         first entries."""
-        rows = range(self.active) if row is None else [row]
+        rows = self.used_rows() if row is None else [row]
         p = self._pass
         for r in rows:
-            pend = p.T if p is not None and r in p.rows and r not in p.done else 0
+            pend = p.T if p is not None and r in p.members and r not in p.done else 0
             if not 0 <= length <= self.lengths[r] + pend:
                 raise ValueError(f"cannot truncate row {r} to {length}: it holds {self.lengths[r]} (+{pend} pending)")
             self.lengths[r] = length
-            if p is not None and r in p.rows:
+            if p is not None and r in p.members:
                 p.done.add(r)
-        if p is not None and (row is None or len(p.done) == len(p.rows)):
+        if p is not None and (row is None or len(p.done) == len(p.members)):
             self._pass = None
 
 
-class KVPass:
-    """One forward pass over some rows of a store: what a model writes its new keys/values through."""
+class RowSpan:
+    """Some rows of a store as the contiguous span from the lowest to the highest of them: a call's tensors hold
+    its rows in its own order (row b: rows[b]); the span's hold rows lo..lo+n-1, the rows between padding."""
 
-    def __init__(self, kv: KVCache, rows: list[int], sizes: list[int], T: int):
-        self.kv, self.rows, self.sizes, self.T = kv, rows, sizes, T
-        self.starts = [kv.lengths[r] for r in rows]
+    def __init__(self, rows: Sequence[int]):
+        self.rows = list(rows)
+        self.lo = min(self.rows)
+        self.n = max(self.rows) - self.lo + 1
+        self.dense = self.rows == list(range(self.lo, self.lo + self.n))  # no padding, same order: no copies
+        self._idx = None
+
+    def index(self, device) -> torch.Tensor:
+        """(len(rows),): where row b of the call sits in the span."""
+        if self._idx is None or self._idx.device != torch.device(device):
+            self._idx = torch.tensor([r - self.lo for r in self.rows], device=device)
+        return self._idx
+
+    def at(self, b: int) -> int:
+        """The span position of the call's row b."""
+        return self.rows[b] - self.lo
+
+    def spread_list(self, values: list, fill=0) -> list:
+        out = [fill] * self.n
+        for r, v in zip(self.rows, values):
+            out[r - self.lo] = v
+        return out
+
+    def spread(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        """(len(rows), ...) -> (n, ...): padding rows hold `fill`."""
+        if self.dense:
+            return x
+        out = x.new_full((self.n, *x.shape[1:]), fill)
+        out[self.index(x.device)] = x
+        return out
+
+    def pick(self, y: torch.Tensor) -> torch.Tensor:
+        """(n, ...) -> (len(rows), ...)."""
+        return y if self.dense else y[self.index(y.device)]
+
+
+class KVPass:
+    """One forward pass over some rows of a store: what a model writes its new keys/values through. It covers
+    the span of its rows (`members`), row lo..lo+n-1 in `rows`; `sizes` per span row (padding rows: 0)."""
+
+    def __init__(self, kv: KVCache, span: RowSpan, sizes: list[int], T: int):
+        self.kv, self.span, self.sizes, self.T = kv, span, sizes, T
+        self.rows = list(range(span.lo, span.lo + span.n))
+        self.members = span.rows
+        self.starts = [kv.lengths[r] for r in self.rows]
         self.uniform = len(set(self.starts)) == 1  # every row starts at the same slot: plain slices, no gather
         self.start = self.starts[0] if self.uniform else None
         self.S = max(self.starts) + T  # key slots any row of this pass reads
         self._idx = None
         self._flat = None
         self.done: set[int] = set()  # rows committed since
+
+    def spread(self, x: torch.Tensor, fill=0) -> torch.Tensor:
+        return self.span.spread(x, fill)
+
+    def pick(self, y: torch.Tensor) -> torch.Tensor:
+        return self.span.pick(y)
 
     def open(self, T: int) -> "KVPass":
         if T != self.T:

@@ -3,7 +3,7 @@
 Between steps, waiting requests are admitted into free rows of the KV pool and prefilled under a token budget
 (256 prompt tokens per step while others decode: short prompts join several at a time, a long one is cut into
 chunks between steps, so it does not stall the others); finished, failed or cancelled ones leave (their row is
-freed at once, the last running row moves into the hole so the running rows stay 0..n-1). Each step:
+freed at once; rows are addressed by index, so no other row moves). Each step:
 
     plan = policy.plan(stepper, rows)   <- DepthPolicy (off / fixed / load-aware: batch size + acceptance)
     rep = stepper.step(rows, plan)      <- all rows drafted together, one target pass, per-row verify, commit
@@ -202,12 +202,12 @@ class BatchScheduler:
                 row.finish = "abort"
             else:
                 budget -= self.stepper.prefill(row, budget)
-            if row.finish:  # failed or cancelled while prefilling: it is the last active row
+            if row.finish:  # failed or cancelled while prefilling
                 self.prefilling = None
                 self._finish(row)
-                self.pool.pop()
+                self.pool.free(row.row)
             elif row.prefilled == len(row.req.ids):
-                self.running.append(row)  # its row is len(running) - 1: the running block stays contiguous
+                self.running.append(row)
                 self.prefilling = None
             else:  # a partial prompt: continue after the next step
                 break
@@ -222,21 +222,21 @@ class BatchScheduler:
             self._retire()
 
     def _admit(self) -> bool:
-        """Start prefilling the next waiting sequence in the row after the running block; False when none can
+        """Start prefilling the next waiting sequence in the lowest free row; False when none can
         start. A sequence whose row cannot be set up fails alone."""
         seq = self._next_waiting()
         if seq is None:
             return False
         allocated = False
         try:
-            seq.row = self.pool.allocate()  # = len(self.running): the row after the running block
+            seq.row = self.pool.allocate()
             allocated = True
             row = self.stepper.new_row(seq, seq.row)
             self.policy.admit(row, self.drafter)
         except Exception as e:
             log.exception("admitting a sequence failed")
             if allocated:
-                self.pool.pop()
+                self.pool.free(seq.row)
             seq.settle(e)  # a SpecloomError reaches its client as a 400, anything else as a 500
             return True  # the next waiting one may start
         self.prefilling = row
@@ -251,8 +251,8 @@ class BatchScheduler:
             if not row.req.done.is_set():
                 row.req.settle(row.error or error)
         try:
-            while self.pool.active:
-                self.pool.pop()
+            for r in self.pool.used_rows():
+                self.pool.free(r)
         except Exception:
             log.exception("freeing the KV pool failed")
 
@@ -277,27 +277,18 @@ class BatchScheduler:
         seq.settle(row.error)
 
     def _retire(self) -> None:
-        """Finish and remove sequences that are done, failed or cancelled; their pool rows are freed at once. The
-        last running row moves into the hole (and a prefilling row, which sits after the running block, moves
-        down one), so the running rows stay 0..n-1."""
-        i = 0
-        while i < len(self.running):
-            row = self.running[i]
+        """Finish and remove sequences that are done, failed or cancelled; their pool rows are freed at once (no
+        other row moves)."""
+        keep = []
+        for row in self.running:
             if row.req.cancelled and not row.finish:
                 row.finish = "abort"
             if not row.finish:
-                i += 1
+                keep.append(row)
                 continue
             self._finish(row)
-            last = self.running.pop()
-            if last is not row:  # the last running row moves into the hole
-                self.pool.move(last.row, row.row)
-                last.ctx.row = last.req.row = row.row
-                self.running[row.row] = last
-            if self.prefilling is not None:  # keep the prefilling row right after the running block
-                self.pool.move(self.prefilling.row, len(self.running))
-                self.prefilling.ctx.row = self.prefilling.req.row = len(self.running)
-            self.pool.pop()
+            self.pool.free(row.row)
+        self.running = keep
 
     def _monitor(self, rep) -> None:
         """Feed the acceptance monitor; while it says the drafter is degraded, the load-aware policy's prior

@@ -13,8 +13,9 @@ token id outside the vocabulary, a wrong root) for its row alone: they continue 
 output is the target's either way. A target pass with drafts that fails is run once more without them; only a
 failed plain target pass fails every row of the step.
 
-Rows sit at pool rows 0..n-1 of `kv` in order (`row.ctx.row == b`), each with its own sampling parameters and
-generator, so what a row emits never depends on what runs beside it.
+Rows sit at any pool rows of `kv` (`row.ctx.row`: the row it was admitted to, for its whole life; a pass runs
+over the rows' span, rows between them padding), each with its own sampling parameters and generator, so what a
+row emits never depends on what runs beside it.
 """
 
 from __future__ import annotations
@@ -182,6 +183,15 @@ class StepReport:
     accepted: list[int]
 
 
+def _rows_of(out: ForwardOutput, idx: list[int]) -> ForwardOutput:
+    """The pass's captured hidden states of these rows, in this order (row b of the result: idx[b] of the pass):
+    what a drafter's `on_verified` reads for its rows."""
+    if not out.hidden or idx == list(range(next(iter(out.hidden.values())).shape[0])):
+        return out
+    i = torch.tensor(idx, device=next(iter(out.hidden.values())).device)
+    return ForwardOutput(None, {k: v[i] for k, v in out.hidden.items()})
+
+
 def prefill_chunk(model, kv, row: int, part: list[int], start: int, capture: tuple[int, ...],
                   hidden: dict[int, list[torch.Tensor]]) -> ForwardOutput:
     """Prompt tokens `part` of KV row `row`, at positions start.., through the target and committed; the hidden
@@ -290,11 +300,9 @@ class Stepper:
         return self.drafter.free_drafts([r.ctx for r in rows])
 
     def step(self, rows: list[Row], plan: StepPlan) -> StepReport:
-        """One speculative step over `rows` (pool rows 0..n-1, in order) as `plan` says (each depth capped by
-        the row's own cap: its drafter's depth and its token budget)."""
+        """One speculative step over `rows` (any pool rows) as `plan` says (each depth capped by the row's own
+        cap: its drafter's depth and its token budget)."""
         n = len(rows)
-        if [r.row for r in rows] != list(range(n)):
-            raise ValueError(f"a step runs over rows 0..{n - 1} in order, got {[r.row for r in rows]}")
         drafter, dev = self.drafter, self.model.device
         for i, r in enumerate(rows):
             r.ctx.k, r.ctx.max_nodes, r.ctx.budget = min(plan.depths[i], r.cap(drafter)), plan.nodes(i), r.budget
@@ -327,29 +335,33 @@ class Stepper:
                     r.fail(e)
                     trees[b] = DraftTree([r.tokens[-1]], [-1])
 
-        # one target pass over the padded trees
+        # one target pass over the padded trees (over the rows' span: rows between them are padding)
         sizes = [len(tr) for tr in trees]
         T = max(sizes)
-        base = [self.kv.lengths[b] for b in range(n)]
+        p = self.kv.begin([r.row for r in rows], sizes)
+        base = [self.kv.lengths[r.row] for r in rows]
         if n == 1:
             tokens = torch.tensor([trees[0].tokens], device=dev)
             positions = torch.tensor([trees[0].positions(base[0])], device=dev)
             mask = None if trees[0].is_chain else trees[0].ancestor_mask(dev)
-        else:
-            tok, pos = [], []
-            mask = torch.eye(T, dtype=torch.bool).repeat(n, 1, 1) if T > 1 else None
+        else:  # every row of the pass's span: rows between the step's rows are padding at their own next
+            # position, seeing themselves (a valid mask, so no NaN reaches a slot that is read later)
+            at = [p.span.at(b) for b in range(n)]
+            tok = [[0] * T for _ in p.rows]
+            pos = [[self.kv.lengths[r]] * T for r in p.rows]
+            mask = torch.eye(T, dtype=torch.bool).repeat(len(p.rows), 1, 1) if T > 1 else None
             for b, tree in enumerate(trees):
-                s = sizes[b]
-                tok.append(tree.tokens + [0] * (T - s))
-                pos.append(tree.positions(base[b]) + [base[b]] * (T - s))
+                s, i = sizes[b], at[b]
+                tok[i] = tree.tokens + [0] * (T - s)
+                pos[i] = tree.positions(base[b]) + [base[b]] * (T - s)
                 if mask is not None and s > 1:
-                    mask[b, :s, :s] = tree.ancestor_mask()
+                    mask[i, :s, :s] = tree.ancestor_mask()
             tokens, positions = torch.tensor(tok, device=dev), torch.tensor(pos, device=dev)
             mask = None if mask is None else mask.to(dev)
         capture = drafter.needs_hidden if drafter is not None and any(r.drafting for r in rows) else ()
         t_pass = time.perf_counter()
         try:
-            out = self.model(tokens, positions, self.kv.begin(range(n), sizes), attn_mask=mask, capture=capture)
+            out = self.model(tokens, positions, p, attn_mask=mask, capture=capture)
         except Exception:
             if T == 1:
                 raise  # a plain pass failed: nothing of one row's to drop (the caller fails the step's rows)
@@ -363,16 +375,17 @@ class Stepper:
         results = [None] * n
         plain_greedy = [r.req.params.greedy and r.req.constraint is None for r in rows]
         best = out.logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None  # one argmax for the step
+        at = [p.span.at(b) for b in range(n)]  # row b's place in the pass
         for b, r in enumerate(rows):
             if r.finish:
                 continue
-            logits = out.logits[b, :sizes[b]]
+            logits = out.logits[at[b], :sizes[b]]
             try:
                 if r.req.constraint is not None:
                     r.req.constraint.mask(trees[b], logits)
                 results[b] = verify(trees[b], logits, r.req.params, r.generator,
-                                    best[b][:sizes[b]] if best is not None and plain_greedy[b] else None)
-                self.kv.commit(results[b].path, row=b)
+                                    best[at[b]][:sizes[b]] if best is not None and plain_greedy[b] else None)
+                self.kv.commit(results[b].path, row=r.row)
             except Exception as e:
                 results[b] = None
                 r.fail(e)
@@ -380,7 +393,7 @@ class Stepper:
         if ok:
             t = time.perf_counter()
             try:
-                drafter.on_verified([rows[b].ctx for b in ok], [results[b] for b in ok], out)
+                drafter.on_verified([rows[b].ctx for b in ok], [results[b] for b in ok], _rows_of(out, [at[b] for b in ok]))
             except Exception:
                 self._drafter_failed([rows[b] for b in ok], "update")
             dt = time.perf_counter() - t
@@ -396,7 +409,7 @@ class Stepper:
                 if r.req.constraint is not None:
                     r.req.constraint.advance(res.tokens)
                 if r.req.logprobs is not None:  # token i of the step was chosen from the logits of path node i
-                    r.record_logprobs(out.logits[b, torch.tensor(res.path, device=dev)], res.tokens)
+                    r.record_logprobs(out.logits[at[b], torch.tensor(res.path, device=dev)], res.tokens)
                 r.emit(res.tokens)
             except Exception as e:
                 r.fail(e)

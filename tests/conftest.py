@@ -253,9 +253,9 @@ def near_target_scores(drafter, target, noise: float = 1.0, seed: int = 0) -> No
         state["prefix"] = list(ctxs[0].tokens)
         return orig_propose(ctxs)
 
-    def row(h, tokens, depth, ctxs, span, mask=None):
+    def row(h, tokens, depth, ctxs, mask=None):
         state["prefix"].append(int(tokens[0][0]))
-        return orig_row(h, tokens, depth, ctxs, span, mask)
+        return orig_row(h, tokens, depth, ctxs, mask)
 
     def logits(h, depth):
         ids = torch.tensor([state["prefix"]])

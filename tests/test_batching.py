@@ -315,3 +315,33 @@ def test_ragged_mask_wider_than_a_padding_row(tiny):
         alone.commit()
         ref = model(torch.tensor([[11, 12]]), torch.tensor([[6, 7]]), alone).logits
     assert torch.allclose(out[0], ref[0], atol=1e-5)
+
+
+def test_a_sequence_keeps_its_row_while_others_come_and_go(kinds):
+    """Rows are addressed by index: a sequence keeps the pool row it was admitted to until it ends, whatever
+    finishes before it (no row moves on retire), and outputs stay those of plain decoding."""
+    t, _, specs = kinds
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs["eagle_tree"]), max_model_len=256)
+    prompts = _prompts(seed=3)
+    want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True).token_ids
+            for p, n in zip(prompts, (4, 30, 8, 30, 6, 12, 30))]
+    sch = BatchScheduler(engine, rows=3, mode="fixed")
+    admitted, seen = {}, []
+    step = sch.stepper.step
+
+    def watched(rows, plan):
+        for r in rows:
+            admitted.setdefault(id(r.req), r.row)
+            assert r.row == admitted[id(r.req)] == r.req.row  # the row it was admitted to
+        seen.append(sorted(r.row for r in rows))
+        return step(rows, plan)
+
+    sch.stepper.step = watched
+    try:
+        seqs = [Sequence(p, n, SamplingParams(), ignore_eos=True)
+                for p, n in zip(prompts, (4, 30, 8, 30, 6, 12, 30))]
+        sch.submit(seqs)
+        assert [s.wait(120).token_ids for s in seqs] == want
+    finally:
+        sch.close()
+    assert any(rows != list(range(len(rows))) for rows in seen)  # steps over rows that are not 0..n-1 happened

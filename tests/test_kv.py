@@ -312,3 +312,33 @@ def test_batched_tree_mask_3d(tiny, family):
         with torch.inference_mode():
             out.append(model(torch.tensor([toks]), pos, kv, attn_mask=m).logits[0])
     assert torch.equal(out[0], out[1])
+
+
+def test_rows_by_index_any_set_in_any_order_and_nothing_moves(tiny):
+    """A pass takes any rows in use, in the caller's order (`spread` / `pick` through the rows' span: the rows
+    between are padding); freeing a row moves no other; `allocate` takes the lowest free row."""
+    model = tiny("llama").model
+    kv = model.new_kv(64, batch=4, active=0)
+    rows = [kv.allocate() for _ in range(4)]
+    assert rows == [0, 1, 2, 3]
+    prompts = {0: [5, 6, 7], 1: [9, 10, 11, 12], 2: [20, 21], 3: [30, 31, 32, 33, 34]}
+    with torch.inference_mode():
+        for r, p in prompts.items():
+            model(torch.tensor([p]), torch.arange(len(p))[None], kv.begin([r], [len(p)]))
+            kv.commit(row=r)
+        before = kv.k[:, 3, :, :5].clone()
+        kv.free(1)  # row 3 stays where it is, its keys untouched
+        assert kv.used == [True, False, True, True] and kv.lengths[1] == 0
+        assert torch.equal(kv.k[:, 3, :, :5], before)
+        p = kv.begin([3, 0], [2, 1])  # not neighbours, not in order: rows 1 and 2 of the span are padding
+        assert (p.span.lo, p.span.n, p.rows, p.members) == (0, 4, [0, 1, 2, 3], [3, 0])
+        tok, pos = torch.tensor([[40, 41], [8, 0]]), torch.tensor([[5, 6], [3, 3]])
+        mask = torch.tensor([[[True, False], [True, True]], [[True, False], [False, True]]])
+        out = p.pick(model(p.spread(tok), p.spread(pos), p, attn_mask=p.spread(mask, True)).logits)
+        kv.commit()
+        assert kv.lengths == [4, 0, 2, 7]
+        for b, (r, toks, n) in enumerate(((3, [40, 41], 2), (0, [8], 1))):
+            ref = model(torch.tensor([prompts[r] + toks]), torch.arange(len(prompts[r]) + n)[None],
+                        model.new_kv(64)).logits[0, -n:]
+            assert torch.allclose(out[b, :n], ref, atol=1e-5), r
+    assert kv.allocate() == 1  # the lowest free row

@@ -6,7 +6,7 @@
 * bytes per token per type (scales included), a store's `nbytes`, and the serving memory plan counting the
   target's and the drafter's KV at their own types;
 * every drafter kind at every KV type: greedy output identical to plain decoding at that same KV type (target
-  and drafter KV of that type), alone and through the batch scheduler (ragged passes, row moves);
+  and drafter KV of that type), alone and through the batch scheduler (ragged passes, rows coming and going);
 * fp32 / bf16 named through the new option give the very logits of today's torch-dtype path;
 * bad values: one clear message (CLI, API, --speculative-config).
 """

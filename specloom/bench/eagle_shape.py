@@ -36,7 +36,6 @@ import torch
 
 from ..sampling import SamplingParams
 from ..drafters.base import DraftContext
-from ..drafters.rows import Span
 
 WIDTHS = (1, 2, 3, 4, 6, 8)
 NODES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -111,7 +110,7 @@ class _Replay:
         h = self._catch_up(n)
         self.ctx.k = depth
         try:
-            return self.d._expand([self.ctx], h, Span([self.ctx]), width, [depth],
+            return self.d._expand([self.ctx], h, width, [depth],
                                   None if budget is None else [budget])
         finally:
             self.store.truncate(n, row=0)

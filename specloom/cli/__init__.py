@@ -3,7 +3,8 @@
 command module has `add(sub)`, which adds its parser and sets `run`, and `run(args)`.
 
 Every `SpecloomError` (bad input, impossible setting) is printed as one line `specloom: error: ...` and exits
-with status 2; there is no traceback for a user's mistake.
+with status 2; there is no traceback for a user's mistake. May import anything; nothing imports it (but
+`__main__`).
 """
 
 from __future__ import annotations

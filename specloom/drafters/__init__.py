@@ -5,8 +5,8 @@ Each kind is one record (base.py `Kind`: the drafter class, its own `--speculati
 its checkpoint format, its speculators export form, its trainers and their `specloom train` options), filled by
 decorators in its own folder. Importing this package imports every sub-package (`discover`), so adding a kind is
 adding its folder: nothing outside it names it. The engine looks a method up in `DRAFTERS` / `KINDS` and never
-branches on its name. May import: the core below the engine (models, kv, tree, verify, loading, training's
-toolkit), never the engine, serving/ or bench/."""
+branches on its name. May import: what lies below the step (models/, loading/, kv, tree, verify, sampling,
+training/'s toolkit), never the step, the engine, serving/, bench/ or jobs/."""
 
 import importlib
 import pkgutil

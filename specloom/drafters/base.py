@@ -7,14 +7,14 @@ drafter pass per depth for the whole batch:
     new_state() -> state                        per sequence (held in `ctx.state`)
     prefill(ctx, target_out)                    after one row's prompt prefill (target_out: its ForwardOutput)
     propose(ctxs) -> list[DraftTree]            root = ctx.tokens[-1]; at most ctx.k drafted tokens deep
-    on_verified(ctxs, results, target_out)      target_out: the step's batched pass; row ctx.row is this row's
+    on_verified(ctxs, results, target_out)      target_out: the step's pass, its row b for ctxs[b]
     on_finished(ctx)                            serving: a request is done (ctx.tokens = prompt + its output)
     idle_free                                   steps at depth 0 cost nothing: the state catches up lazily
     free_drafts(ctxs) -> [(tree, expected)|None] drafts costing no drafter pass, for rows left idle (hybrid)
 
 Each `DraftContext` names its row of the target's KV store (`ctx.kv`, `ctx.row`); a drafter keeps its own
-keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows move and free
-together. `needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the
+keys/values in a companion store of that store (`ctx.kv.companion(...)`), row for row, so rows are allocated and
+freed together. `needs_hidden` lists the target hidden states (HF `hidden_states` ids, see models/transformer.py) the
 drafter reads; the step captures them in every target pass. Drafters without a batched pass (n-gram, test
 drafters) implement `propose_one(ctx)` instead of `propose`. A kind is one record (`Kind`: drafter, config keys,
 checkpoint format, export form, trainers with their options), filled by decorators in its own folder

@@ -1,16 +1,7 @@
-"""The rows of one batched drafter call as a contiguous span of a store's rows.
-
-A drafter is called with the rows that draft this step, which need not be neighbours in the KV store (a row
-drafting nothing this step sits between them). A drafter pass runs over the span from the lowest to the highest
-of those rows; rows of the span not in the call take part as padding (zero real entries: their pending slots are
-written, never committed, and overwritten later).
-
-    span = Span(ctxs)
-    p = span.begin(store, sizes)            # a pass over the span; row b of the call writes sizes[b] entries
-                                            # (fitting_groups: rows whose padded pass fits the store)
-    x = span.spread(x_of_call_rows)         # (len(ctxs), ...) -> (span rows, ...), padding rows zero
-    y = span.pick(model_output)             # (span rows, ...) -> (len(ctxs), ...)
-"""
+"""What the batch-first drafters share about a call's rows: drawing one chain position for every row (`draw`),
+chains from the drafts (`chains`), a row's companion store (`own_store`) and which rows may share one padded pass
+(`fitting_groups`). A pass over any rows of a store is the store's own (`KVCache.begin(rows, sizes)`: it runs
+over the rows' span, `p.spread` / `p.pick` in and out of it)."""
 
 from __future__ import annotations
 
@@ -77,38 +68,3 @@ def fitting_groups(ctxs, sizes: list[int], store) -> list[list[int]]:
         else:
             groups.append([i])
     return [sorted(g) for g in groups]
-
-
-class Span:
-    def __init__(self, ctxs):
-        rows = [c.row for c in ctxs]
-        self.rows = rows
-        self.lo = min(rows)
-        self.n = max(rows) - self.lo + 1
-        self.dense = rows == list(range(self.lo, self.lo + self.n))
-        self._idx = None
-
-    def index(self, device) -> torch.Tensor:
-        if self._idx is None or self._idx.device != device:
-            self._idx = torch.tensor([r - self.lo for r in self.rows], device=device)
-        return self._idx
-
-    def begin(self, store, sizes):
-        full = [0] * self.n
-        for r, s in zip(self.rows, sizes):
-            full[r - self.lo] = s
-        return store.begin(range(self.lo, self.lo + self.n), full)
-
-    def spread(self, x: torch.Tensor, fill=0) -> torch.Tensor:
-        if self.dense:
-            return x
-        out = x.new_full((self.n, *x.shape[1:]), fill)
-        out[self.index(x.device)] = x
-        return out
-
-    def pick(self, y: torch.Tensor) -> torch.Tensor:
-        return y if self.dense else y[self.index(y.device)]
-
-    def commit(self, store) -> None:
-        for r in self.rows:
-            store.commit(row=r)

@@ -10,6 +10,8 @@ policy therefore read measurements taken on this host, cached under a key from `
     host_line()   -> one line for a report's header
     host_key()    -> a short hash of what the measurements depend on (CPU model and flags, oneDNN bf16,
                      threads, torch version)
+
+May import: errors and the standard library (and models/ for the kernel choice); nothing above the models.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import torch
 from ..atomic import remove_stale, replacing, write_json
 from ..errors import SpecloomError
 from ..training import distributed
-from ..training.common import _lr_at, _plot_losses, optimizer_step, to_device, train_device
+from ..training.common import _plot_losses, to_device, train_device
+from ..training.fit import epoch_batches, fit
 
 
 # a resumed run must match these (a different recipe in the same --out would mix two runs; --steps and --epochs
@@ -60,6 +61,16 @@ def load_trainers() -> dict:
             importlib.import_module(module)
     return {name: cls for kind in KINDS.values() for name, cls in kind.trained.items()}
 
+
+
+def _init_from(tr, path: str) -> None:
+    """Start from an existing checkpoint of the trainer's kind (`--init-from`): every tensor it shares."""
+    from ..drafters.checkpoint import load_drafter
+
+    model, _ = load_drafter(path, tr.kind, tr.target, tr.tokenizer)
+    own = tr.model.state_dict()
+    tr.model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                              for k, v in model.state_dict().items() if k in own})
 
 
 @torch.no_grad()
@@ -133,8 +144,8 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
             setattr(args, key, value)
     tr = trainer_cls(target, tokenizer, data, args)
     tr.model.to(dev)  # built on the CPU (the draft model trainer's: already on the target's device)
-    if args.init_from:
-        tr.init_from(args.init_from)
+    if args.init_from:  # a kind's trainer may start from a checkpoint its own way (`init_from`)
+        getattr(tr, "init_from", lambda path: _init_from(tr, path))(args.init_from)
     params = tr.parameters()
     print(f"specloom train {args.kind}: {sum(p.numel() for p in params) / 1e6:.2f}M trainable parameters",
           file=sys.stderr, flush=True)
@@ -182,51 +193,45 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
     limit = getattr(args, "max_minutes", None)
     # --max-minutes: every process stops at the same step (rank 0's clock decides)
     timed_out = lambda: bool(limit) and distributed.any_rank(main and time.perf_counter() - t0 > 60 * limit)  # noqa: E731
-    epoch = step // max(batches_per_epoch, 1)
-    stopped = False
-    while step < total and not stopped:
-        skip = step - epoch * batches_per_epoch
-        for group in data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch)[max(skip, 0):]:
-            if step >= total:
-                break
-            if timed_out():
-                stopped = True
-                break
-            batch = to_device(data.collate(distributed.shard(group), 1024), dev)
-            for g in opt.param_groups:
-                g["lr"] = _lr_at(step, total, args.lr, args.warmup)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss, metrics = tr.loss(batch)
-            # sync_grads: the global batch's gradient on every process
-            optimizer_step(opt, params, loss, 0.5, sync=distributed.sync_grads)
-            step += 1
-            # the processes' partial losses and metrics add up to the global batch's
-            loss_v, n_seen, *values = distributed.sum_values(
-                [float(loss), int(batch["loss_mask"].sum()), *metrics.values()])
-            seen += int(n_seen)
-            metrics = dict(zip(metrics, values))
-            history.append({"step": step, "loss": loss_v, "answer_tokens_seen": seen, **metrics})
-            if args.eval_every and step % args.eval_every == 0 and step < total:
-                if main:  # rank 0 evaluates the whole held-out set; the others go on to the next batch and wait
-                    tr.model.eval()
-                    with distributed.solo():
-                        ev = evaluate(tr, data, eval_idx, args, max_batches=4)
-                    tr.model.train()
-                    evals.append({"step": step, "answer_tokens_seen": seen, **ev})
-                    print(f"\nspecloom train {args.kind}: step {step}, {seen / 1e6:.2f}M answer tokens seen, "
-                          "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), file=sys.stderr, flush=True)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_v:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
-            if step % args.save_every == 0 or step == total:
-                gens = distributed.gather_objects(tr.gen.get_state())
-                if main:
-                    with replacing(state_path) as tmp:
-                        torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
-                                    "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
-                                    "settings": settings, **({"gens": gens} if world > 1 else {})}, tmp)
-        epoch += 1
-        if not stopped and step < total and timed_out():
-            stopped = True
+    stopped = []  # --max-minutes: the batches end before the next one
+
+    def stop() -> bool:
+        if timed_out():
+            stopped.append(step)
+            return True
+        return False
+
+    batches = epoch_batches(lambda epoch: data.groups(train_idx, args.tokens_per_batch, seed=args.seed + epoch),
+                            lambda group: to_device(data.collate(distributed.shard(group), 1024), dev),
+                            batches_per_epoch, step, stop)
+    # sync_grads: the global batch's gradient on every process
+    for step, batch, loss, metrics in fit(opt, params, batches, tr.loss, total=total, lr=args.lr, warmup=args.warmup,
+                                          device=dev, bf16=args.bf16, clip=0.5, step=step,
+                                          sync=distributed.sync_grads):
+        # the processes' partial losses and metrics add up to the global batch's
+        loss_v, n_seen, *values = distributed.sum_values(
+            [float(loss), int(batch["loss_mask"].sum()), *metrics.values()])
+        seen += int(n_seen)
+        metrics = dict(zip(metrics, values))
+        history.append({"step": step, "loss": loss_v, "answer_tokens_seen": seen, **metrics})
+        if args.eval_every and step % args.eval_every == 0 and step < total:
+            if main:  # rank 0 evaluates the whole held-out set; the others go on to the next batch and wait
+                tr.model.eval()
+                with distributed.solo():
+                    ev = evaluate(tr, data, eval_idx, args, max_batches=4)
+                tr.model.train()
+                evals.append({"step": step, "answer_tokens_seen": seen, **ev})
+                print(f"\nspecloom train {args.kind}: step {step}, {seen / 1e6:.2f}M answer tokens seen, "
+                      "held-out " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), file=sys.stderr, flush=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_v:.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
+        if step % args.save_every == 0 or step == total:
+            gens = distributed.gather_objects(tr.gen.get_state())
+            if main:
+                with replacing(state_path) as tmp:
+                    torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
+                                "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
+                                "settings": settings, **({"gens": gens} if world > 1 else {})}, tmp)
     if stopped:
         print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
     bar.close()

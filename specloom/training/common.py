@@ -106,15 +106,6 @@ class _Base:
         """Facts measured on the held-out rows that the checkpoint keeps (Medusa: per-head top-k accuracy)."""
         return {}
 
-    def init_from(self, path: str) -> None:
-        """Start from an existing checkpoint of this kind (`--init-from`)."""
-        from ..drafters.checkpoint import load_drafter
-
-        model, _ = load_drafter(path, self.kind, self.target, self.tokenizer)
-        own = self.model.state_dict()
-        self.model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                    for k, v in model.state_dict().items() if k in own})
-
 
 def save_hf_llama(model, path: str, meta: dict) -> None:
     """Write a DecoderLM (Llama family) as a HF directory: config.json + model.safetensors (+ tokenizer later)."""

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecloomError
-from .common import _lr_at, _plot_losses, optimizer_step, save_hf_llama, to_device, train_device
+from .common import _plot_losses, save_hf_llama, to_device, train_device
+from .fit import epoch_batches, fit
 
 
 def answer_loss(model, batch) -> tuple[torch.Tensor, dict]:
@@ -97,24 +98,17 @@ def finetune(args) -> dict:
     from tqdm import tqdm
 
     bar = tqdm(total=total, desc="fine-tune target", file=sys.stderr, mininterval=2.0)
-    history, step, epoch, t0 = [], 0, 0, time.perf_counter()
+    history, step, t0 = [], 0, time.perf_counter()
     limit = getattr(args, "max_minutes", None)
     model.train()
-    while step < total and not (limit and time.perf_counter() - t0 > 60 * limit):
-        for group in data.groups(train_idx, args.tokens_per_batch, args.seed + epoch, 512):
-            if step >= total or (limit and time.perf_counter() - t0 > 60 * limit):
-                break
-            batch = to_device(data.collate(group, 512), dev)
-            for pg in opt.param_groups:
-                pg["lr"] = _lr_at(step, total, args.lr, args.warmup)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
-                loss, metrics = answer_loss(model, batch)
-            optimizer_step(opt, params, loss, 1.0)
-            step += 1
-            history.append({"step": step, "loss": float(loss), **metrics})
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{metrics['acc']:.2f}")
-        epoch += 1
+    batches = epoch_batches(lambda epoch: data.groups(train_idx, args.tokens_per_batch, args.seed + epoch, 512),
+                            lambda group: to_device(data.collate(group, 512), dev), per_epoch,
+                            stop=lambda: bool(limit) and time.perf_counter() - t0 > 60 * limit)
+    for step, _, loss, metrics in fit(opt, params, batches, lambda batch: answer_loss(model, batch), total=total,
+                                      lr=args.lr, warmup=args.warmup, device=dev, bf16=args.bf16, clip=1.0):
+        history.append({"step": step, "loss": float(loss), **metrics})
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss):.3f}", acc=f"{metrics['acc']:.2f}")
     bar.close()
     wall = time.perf_counter() - t0
     model.eval()

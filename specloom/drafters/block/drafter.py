@@ -28,7 +28,8 @@ from ...config_fields import float_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, float_key, register
-from ..rows import Span, chains, draw, fitting_groups, own_store
+from ...kv import RowSpan
+from ..rows import chains, draw, fitting_groups, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -129,8 +130,8 @@ class BlockDrafter(Drafter):
 
     def on_verified(self, ctxs, results, target_out) -> None:
         f = self._features(target_out)
-        for ctx, res in zip(ctxs, results):
-            ctx.state.append(f[ctx.row, torch.tensor(res.path, device=f.device)])
+        for b, (ctx, res) in enumerate(zip(ctxs, results)):
+            ctx.state.append(f[b, torch.tensor(res.path, device=f.device)])
 
     def _catch_up(self, ctxs, store) -> None:
         """The context keys/values of every row's newly committed positions, in one ragged pass (or one per
@@ -145,21 +146,20 @@ class BlockDrafter(Drafter):
         m = [f.shape[0] for f in feats]
         dev = feats[0].device
         for g in fitting_groups(ctxs, m, store):
-            sub = Span([ctxs[i] for i in g])
             M = max(m[i] for i in g)
             x = torch.zeros(len(g), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
             pos = torch.zeros(len(g), M, dtype=torch.long)
             for j, i in enumerate(g):
                 x[j, :m[i]] = feats[i]
                 pos[j] = torch.arange(store.lengths[ctxs[i].row], store.lengths[ctxs[i].row] + M)
-            p = sub.begin(store, [m[i] for i in g])
-            self.model.extend(p, sub.spread(x), sub.spread(pos.to(dev)))
-            sub.commit(store)
+            p = store.begin([ctxs[i].row for i in g], [m[i] for i in g])
+            self.model.extend(p, p.spread(x), p.spread(pos.to(dev)))
+            store.commit()
 
     # -- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
-        store, span = self._store(ctxs[0]), Span(ctxs)
+        store, span = self._store(ctxs[0]), RowSpan([c.row for c in ctxs])
         self._catch_up(ctxs, store)
         m = self.model
         ks = [min(c.k, self.k) for c in ctxs]

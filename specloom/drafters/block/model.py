@@ -255,7 +255,8 @@ class BlockDraftModel(nn.Module):
             kv.write(i, k, v)  # the store converts (or quantizes) as it copies
 
     def draft_block(self, kv: KVCache, span, anchors: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One block [anchor, MASK ...] per row of `span` (anchors, positions (n,)) over each row's cached context
+        """One block [anchor, MASK ...] per row of `span` (a kv.RowSpan; anchors, positions (n,)) over each row's
+        cached context
         -> slot hidden (n, block_size, H)."""
         c = self.config
         dev = self.fc.weight.device

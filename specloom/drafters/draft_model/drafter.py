@@ -27,7 +27,7 @@ import torch
 from ...errors import DrafterMismatch, SpecloomError
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, int_key, register
-from ..rows import Span, chains, draw, fitting_groups, own_store
+from ..rows import chains, draw, fitting_groups, own_store
 from ..token_map import expand_logits, reduced_vocabulary
 
 DEFAULT_K = 4
@@ -158,29 +158,30 @@ class DraftModelDrafter(Drafter):
         self._store(ctx).truncate(0, row=ctx.row)
         ctx.state["seen"] = 0
 
-    def _feed(self, store, span, ctxs, tokens: list[list[int]], positions: list[list[int]], mask=None,
+    def _feed(self, store, ctxs, tokens: list[list[int]], positions: list[list[int]], mask=None,
               last_only: bool = True) -> torch.Tensor:
         """One draft pass over every row's `tokens` (ragged) -> logits (B, V) after each row's last token, or
-        (B, T, V) for all of them."""
+        (B, T, V) for all of them (`mask` (B, T, T'): the rows' tree masks)."""
         dev = self.model.device
         m = [len(t) for t in tokens]
         M = max(m)
         x = torch.tensor([t + [0] * (M - len(t)) for t in tokens], device=dev)
         pos = torch.tensor([p + [p[-1]] * (M - len(p)) for p in positions], device=dev)
-        kvp = span.begin(store, m)
+        kvp = store.begin([c.row for c in ctxs], m)
         L = self.model.config.num_layers
         # the final hidden state of every position (no head in the pass), then the head where it is read
-        h = span.pick(self.model(span.spread(x), span.spread(pos), kvp, attn_mask=mask, capture=(L,),
-                                 num_logits=0).hidden[L])
+        h = kvp.pick(self.model(kvp.spread(x), kvp.spread(pos), kvp,
+                                attn_mask=None if mask is None else kvp.spread(mask, True), capture=(L,),
+                                num_logits=0).hidden[L])
         if last_only:  # logits at each row's last position only
             h = h[torch.arange(len(m), device=dev), torch.tensor(m, device=dev) - 1]
         out = self._logits(h)
-        span.commit(store)
+        store.commit()
         return out
 
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
-        store, span = self._store(ctxs[0]), Span(ctxs)
+        store = self._store(ctxs[0])
         feed, pos = [], []
         for c in ctxs:  # feed what the store has not seen (at least the root)
             have = min(c.state["seen"], len(c.tokens) - 1)
@@ -191,22 +192,22 @@ class DraftModelDrafter(Drafter):
                              device=self.model.device)
         for g in fitting_groups(ctxs, [len(f) for f in feed], store):  # a just-prefilled row feeds its prompt
             sub = [ctxs[i] for i in g]
-            logits[g] = self._feed(store, Span(sub), sub, [feed[i] for i in g], [pos[i] for i in g])
+            logits[g] = self._feed(store, sub, [feed[i] for i in g], [pos[i] for i in g])
         if self.width > 1:
-            return self._propose_tree(ctxs, store, span, logits)
+            return self._propose_tree(ctxs, store, logits)
         K = max(c.k for c in ctxs)
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         for i in range(K):
             draw(ctxs, logits, [i < c.k for c in ctxs], drafts, qs, self._to_target, self._full_vocab)
             if i + 1 < K:
-                logits = self._feed(store, span, ctxs, [[d[-1]] for d in drafts],
+                logits = self._feed(store, ctxs, [[d[-1]] for d in drafts],
                                     [[len(c.tokens) + i] for c in ctxs])
         for c in ctxs:
             c.state["seen"] = len(c.tokens) + c.k - 1
         return chains(ctxs, drafts, qs)
 
-    def _propose_tree(self, ctxs, store, span, root_logits: torch.Tensor) -> list[DraftTree]:
+    def _propose_tree(self, ctxs, store, root_logits: torch.Tensor) -> list[DraftTree]:
         """Beam-style trees for all rows at once: per depth the w best new nodes of each row, one draft pass."""
         w, B, dev = self.width, len(ctxs), root_logits.device
         K = max(c.k for c in ctxs)
@@ -233,9 +234,9 @@ class DraftModelDrafter(Drafter):
             anc = torch.cat([anc.gather(1, par[..., None].expand(B, w, anc.shape[-1])),
                              torch.nn.functional.one_hot(par, w).bool() if depth > 1 else
                              torch.zeros(B, w, 0, dtype=torch.bool, device=dev)], -1)
-            mask = span.spread(torch.cat([anc, eye], -1), True)
+            mask = torch.cat([anc, eye], -1)
             toks = node_tok[-1].tolist()
-            logits = self._feed(store, span, ctxs, toks, [[b - 1 + depth] * w for b in base], mask, last_only=False)
+            logits = self._feed(store, ctxs, toks, [[b - 1 + depth] * w for b in base], mask, last_only=False)
             logp = torch.log_softmax(logits.float(), -1)  # (B, w, V)
         tok_l = torch.cat(node_tok, 1).tolist()
         par_l = torch.cat(node_par, 1).tolist()

@@ -29,7 +29,7 @@ import torch
 
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
-from ..rows import Span, chains, draw, fitting_groups, own_store
+from ..rows import chains, draw, fitting_groups, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -147,8 +147,8 @@ class EagleDrafter(Drafter):
 
     def on_verified(self, ctxs, results, target_out) -> None:
         f = self._features(target_out)
-        for ctx, res in zip(ctxs, results):
-            ctx.state.feats.append(f[ctx.row, torch.tensor(res.path, device=f.device)])
+        for b, (ctx, res) in enumerate(zip(ctxs, results)):
+            ctx.state.feats.append(f[b, torch.tensor(res.path, device=f.device)])
 
     def _take_feats(self, ctxs) -> list[torch.Tensor]:
         feats = []
@@ -172,7 +172,7 @@ class EagleDrafter(Drafter):
         out = [None] * len(ctxs)
         for g in fitting_groups(ctxs, m, store):
             sub = [ctxs[i] for i in g]
-            span, M = Span(sub), max(m[i] for i in g)
+            M = max(m[i] for i in g)
             F = torch.zeros(len(g), M, feats[0].shape[-1], dtype=feats[0].dtype, device=dev)
             toks = torch.zeros(len(g), M, dtype=torch.long)
             pos = torch.zeros(len(g), M, dtype=torch.long)
@@ -181,27 +181,27 @@ class EagleDrafter(Drafter):
                 F[j, :m[i]] = feats[i]
                 toks[j, :m[i]] = torch.tensor(c.tokens[stable + 1:c.root_position + 1])
                 pos[j] = torch.arange(stable, stable + M)
-            p = span.begin(store, [m[i] for i in g])
-            sp_toks, sp_pos = span.spread(toks.to(dev)), span.spread(pos.to(dev))
-            h = span.pick(self.model(self.model.input_hidden(span.spread(F), sp_toks), sp_toks, sp_pos, p))
-            span.commit(store)
+            p = store.begin([c.row for c in sub], [m[i] for i in g])
+            sp_toks, sp_pos = p.spread(toks.to(dev)), p.spread(pos.to(dev))
+            h = p.pick(self.model(self.model.input_hidden(p.spread(F), sp_toks), sp_toks, sp_pos, p))
+            store.commit()
             for j, i in enumerate(g):
                 out[i] = h[j, m[i] - 1]
         return torch.stack(out)
 
-    def _rows(self, h, tokens, depth: int, ctxs, span, mask=None):
+    def _rows(self, h, tokens, depth: int, ctxs, mask=None):
         """Append T rows of draft depth `depth` per call row (h (B, T, H) the hidden they read, tokens (B, T))
         to the store of that depth; returns their outputs (B, T, H)."""
         store = self._stores(ctxs[0])[self._layer(depth)]
         dev = h.device
         B, T = tokens.shape
         pos = torch.tensor([[self._position(c.root_position, depth)] * T for c in ctxs], device=dev)
-        p = span.begin(store, [T] * B)
-        t = span.spread(tokens)
-        out = self.model(self.model.next_input(span.spread(h), t), t, span.spread(pos), p,
-                         attn_mask=None if mask is None else span.spread(mask, True))
-        span.commit(store)
-        return span.pick(out)
+        p = store.begin([c.row for c in ctxs], [T] * B)
+        t = p.spread(tokens)
+        out = self.model(self.model.next_input(p.spread(h), t), t, p.spread(pos), p,
+                         attn_mask=None if mask is None else p.spread(mask, True))
+        store.commit()
+        return p.pick(out)
 
     # -- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -211,11 +211,10 @@ class EagleDrafter(Drafter):
             return [DraftTree.chain(c.tokens[-1], []) for c in ctxs]
         for c in ctxs:
             c.state.base = [s.lengths[c.row] for s in self._stores(c)]
-        span = Span(ctxs)
         try:
             if self.width == 1:
-                return self._chain(ctxs, h, span)
-            return self._tree(ctxs, h, span)
+                return self._chain(ctxs, h)
+            return self._tree(ctxs, h)
         finally:
             for c in ctxs:  # tree rows are dropped: only committed positions stay
                 for s, n in zip(self._stores(c), c.state.base):
@@ -235,7 +234,7 @@ class EagleDrafter(Drafter):
         """Draft-vocabulary logits (N, V_d) of depth-`depth` outputs h (N, H) (depth 0: the catch-up's)."""
         return self.model.draft_logits(h)
 
-    def _chain(self, ctxs, h: torch.Tensor, span) -> list[DraftTree]:
+    def _chain(self, ctxs, h: torch.Tensor) -> list[DraftTree]:
         m = self.model
         K = max(c.k for c in ctxs)
         drafts = [[] for _ in ctxs]
@@ -244,19 +243,19 @@ class EagleDrafter(Drafter):
             draw(ctxs, self._logits(h, i), [i < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
             if i + 1 < K:
                 toks = torch.tensor([[d[-1]] for d in drafts], device=h.device)
-                h = self._rows(h[:, None], toks, i + 1, ctxs, span)[:, 0]
+                h = self._rows(h[:, None], toks, i + 1, ctxs)[:, 0]
         return chains(ctxs, drafts, qs)
 
-    def _tree(self, ctxs, h_star: torch.Tensor, span) -> list[DraftTree]:
+    def _tree(self, ctxs, h_star: torch.Tensor) -> list[DraftTree]:
         """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass,
         then every row keeps its best candidates (`_expand`, `_select`)."""
         ks = [c.k for c in ctxs]
         budgets = [self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes) for c in ctxs]
         stop = self.early_stop if self.early_stop is not None else h_star.device.type == "cpu"
-        cand = self._expand(ctxs, h_star, span, self.width, ks, budgets if stop else None)
+        cand = self._expand(ctxs, h_star, self.width, ks, budgets if stop else None)
         return self._select(ctxs, cand.tokens, cand.scores, cand.parents, cand.valid(ks), cand.n_keep(ks, budgets))
 
-    def _expand(self, ctxs, h_star: torch.Tensor, span, w: int, ks: list[int], budgets: list[int] | None):
+    def _expand(self, ctxs, h_star: torch.Tensor, w: int, ks: list[int], budgets: list[int] | None):
         """The EAGLE-2 candidates of every row, to depth max(ks): depth 1 = the top-w children of the root
         (scored by h*), then per depth one drafter pass over each row's w frontier nodes (the best w candidates
         of the previous depth), whose top-w children each are the next depth's candidates. Everything is a
@@ -286,7 +285,7 @@ class EagleDrafter(Drafter):
             same = [j for j, lay in enumerate(layers) if lay == layer]  # earlier depths cached in the same store
             cols = anc.view(B, w, len(layers), w)[:, :, same].reshape(B, w, len(same) * w)
             layers.append(layer)
-            out = self._rows(frontier_h, all_tok.gather(1, frontier), depth, ctxs, span,
+            out = self._rows(frontier_h, all_tok.gather(1, frontier), depth, ctxs,
                              torch.cat([cols, eye], -1))  # (B, w, H)
             lp = torch.log_softmax(self._logits(out.reshape(B * w, -1), depth), -1).view(B, w, -1)
             ctop = lp.topk(w, dim=-1)  # (B, w, w)

@@ -173,8 +173,8 @@ class MedusaDrafter(Drafter):
 
     def on_verified(self, ctxs, results, target_out) -> None:
         hid = target_out.hidden[self.needs_hidden[0]]
-        for ctx, res in zip(ctxs, results):
-            ctx.state["h"] = hid[ctx.row, res.path[-1]]
+        for b, (ctx, res) in enumerate(zip(ctxs, results)):
+            ctx.state["h"] = hid[b, res.path[-1]]
 
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:

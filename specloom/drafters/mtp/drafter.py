@@ -26,7 +26,7 @@ import torch
 
 from ..base import TREE_KEYS, register
 from ..eagle.drafter import EagleDrafter
-from ..rows import Span, fitting_groups, own_store
+from ..rows import fitting_groups, own_store
 
 log = logging.getLogger("specloom")
 
@@ -136,7 +136,7 @@ class MTPDrafter(EagleDrafter):
             for g in fitting_groups([ctxs[b] for b in go], sizes, store):
                 grp = [go[j] for j in g]
                 rs = [sizes[j] for j in g]
-                span, M = Span([ctxs[b] for b in grp]), max(rs)
+                M = max(rs)
                 x = torch.zeros(len(grp), M, H, dtype=h_in[grp[0]].dtype, device=dev)
                 toks = torch.zeros(len(grp), M, dtype=torch.long)
                 pos = torch.zeros(len(grp), M, dtype=torch.long)
@@ -145,9 +145,9 @@ class MTPDrafter(EagleDrafter):
                     x[j, :r] = h_in[b][:r]
                     toks[j, :r] = torch.tensor(c.tokens[start + 1 + i:start + 1 + i + r])
                     pos[j] = torch.arange(start, start + M)
-                p = span.begin(store, rs)
-                out = span.pick(m(i, span.spread(x), span.spread(toks.to(dev)), span.spread(pos.to(dev)), p))
-                span.commit(store)
+                p = store.begin([ctxs[b].row for b in grp], rs)
+                out = p.pick(m(i, p.spread(x), p.spread(toks.to(dev)), p.spread(pos.to(dev)), p))
+                store.commit()
                 for j, (b, r) in enumerate(zip(grp, rs)):
                     outs[b] = out[j, :r]
             if i == 0:
@@ -164,16 +164,16 @@ class MTPDrafter(EagleDrafter):
     def _logits(self, h, depth: int):
         return self.mtp.logits(depth % self.mtp.num_layers, h)
 
-    def _rows(self, h, tokens, depth: int, ctxs, span, mask=None):
+    def _rows(self, h, tokens, depth: int, ctxs, mask=None):
         store = self._stores(ctxs[0])[self._layer(depth)]
         dev = h.device
         B, T = tokens.shape
         pos = torch.tensor([[self._position(c.root_position, depth)] * T for c in ctxs], device=dev)
-        p = span.begin(store, [T] * B)
-        out = self.mtp(self._layer(depth), span.spread(h), span.spread(tokens), span.spread(pos), p,
-                       attn_mask=None if mask is None else span.spread(mask, True))
-        span.commit(store)
-        return span.pick(out)
+        p = store.begin([c.row for c in ctxs], [T] * B)
+        out = self.mtp(self._layer(depth), p.spread(h), p.spread(tokens), p.spread(pos), p,
+                       attn_mask=None if mask is None else p.spread(mask, True))
+        store.commit()
+        return p.pick(out)
 
 
 class _MTPState:

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import SpecloomError
-from ...training.common import _lr_at, _plot_losses, _shift, optimizer_step, save_hf_llama
+from ...training.common import _plot_losses, _shift, save_hf_llama
+from ...training.fit import epoch_batches, fit
 from ..base import trainer
 
 MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
@@ -87,23 +88,17 @@ class TargetTrainer:
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="train target+mtp", file=sys.stderr, mininterval=2.0)
-        history, step, epoch, t0 = [], 0, 0, time.perf_counter()
+        history, step, t0 = [], 0, time.perf_counter()
         model.train()
-        while step < total:
-            for group in data.groups(train_idx, args.tokens_per_batch, args.seed + epoch, 512):
-                if step >= total:
-                    break
-                batch = to_device(data.collate(group, 512), dev)
-                for pg in opt.param_groups:
-                    pg["lr"] = _lr_at(step, total, args.lr, args.warmup)
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=args.bf16):
-                    loss, metrics = joint_loss(model, mtp, batch, args.loss_fraction, g)
-                optimizer_step(opt, params, loss, 1.0)
-                step += 1
-                history.append({"step": step, "loss": float(loss), **metrics})
-                bar.update(1)
-                bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
-            epoch += 1
+        batches = epoch_batches(lambda epoch: data.groups(train_idx, args.tokens_per_batch, args.seed + epoch, 512),
+                                lambda group: to_device(data.collate(group, 512), dev), per_epoch)
+        for step, _, loss, metrics in fit(opt, params, batches,
+                                          lambda batch: joint_loss(model, mtp, batch, args.loss_fraction, g),
+                                          total=total, lr=args.lr, warmup=args.warmup, device=dev, bf16=args.bf16,
+                                          clip=1.0):
+            history.append({"step": step, "loss": float(loss), **metrics})
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss):.3f}", **{k: f"{v:.2f}" for k, v in metrics.items()})
         bar.close()
         model.eval()
         mtp.eval()
