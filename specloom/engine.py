@@ -131,6 +131,7 @@ class Engine:
         top_k: int = 0,
         top_p: float = 1.0,
         seed: int | None = None,
+        sampling_rule: str = "auto",
         stop: list[str] | None = None,
         ignore_eos: bool = False,
         on_tokens=None,
@@ -143,8 +144,11 @@ class Engine:
         `constraint` (a `specloom.constraint.Constraint`, e.g. serving/grammar.py's, one per request):
         grammar-constrained output, exact under speculation -- drafts the grammar rejects are pruned, every tree
         row's logits are masked with the grammar state after that row's path, and the state advances over
-        emitted tokens only."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        emitted tokens only.
+
+        `sampling_rule` (sampling.py): "auto" (coupled for a seeded request, else rejection), "coupled" (the text
+        a function of prompt, parameters and seed alone, speculation or not) or "rejection"."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt, messages, chat)
         self.check_request(ids, max_tokens)
         req = Request(ids, max_tokens, params, stop or [], ignore_eos, constraint, on_tokens, logprobs)

@@ -2,17 +2,34 @@
 
 `probs_from_logits` applies temperature, then top-k, then top-p (nucleus) and renormalises. Speculative
 verification applies the very same function to the target's p and the drafter's q, so filtering can never make
-the two disagree. Each request owns a `torch.Generator` seeded from its `seed`, so a seeded request is
-reproducible whatever else runs beside it.
+the two disagree.
+
+Two sampling rules (`SamplingParams.rule`), both exact (every token is distributed as the target's own):
+
+* "rejection": each request owns a `torch.Generator` seeded from its `seed`; verification accepts a draft x with
+  probability min(1, p(x)/q(x)) and draws from the residual otherwise (verify.py). A seeded request is
+  reproducible whatever runs beside it, but its text depends on the drafts (they consume the random numbers).
+* "coupled": the randomness is keyed to the output position: the token at sequence index t is
+  argmax(log p_t + G_t), G_t Gumbel noise over the vocabulary drawn from (seed, t) alone (`position_noise`).
+  Gumbel-max makes that a sample from p_t; a draft is accepted iff it equals it, and drafters draw their own
+  proposals with the same noise (argmax(log q + G_t)), which keeps acceptance high where q is close to p. The
+  text is a function of (prompt, sampling parameters, seed) alone: the same with speculation on or off, with any
+  drafter, tree shape, batch or server history (the drafter-invariant coupling of Daliri, Musco and Suresh, 2024).
+
+"auto" (the default) is "coupled" for a seeded request and "rejection" for an unseeded one.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 
 from .errors import SpecloomError
+
+
+RULES = ("auto", "coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -21,8 +38,11 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1 = off
     top_p: float = 1.0
     seed: int | None = None
+    rule: str = "auto"  # "auto" | "coupled" | "rejection" (module docstring)
 
     def __post_init__(self):
+        if self.rule not in RULES:
+            raise SpecloomError(f"sampling rule must be one of {', '.join(RULES)}, got {self.rule!r}")
         if not (self.temperature >= 0.0):
             raise SpecloomError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -33,6 +53,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        """Sampling with position-keyed noise (module docstring): "coupled", or "auto" with a seed."""
+        return not self.greedy and (self.rule == "coupled" or (self.rule == "auto" and self.seed is not None))
+
+    def noise_seed(self) -> int | None:
+        """The key of a coupled request's noise: its seed (a fresh random one when it has none); None otherwise."""
+        if not self.coupled:
+            return None
+        return self.seed if self.seed is not None else random.getrandbits(63)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
@@ -69,3 +100,29 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         return int(logits.argmax())
     probs = probs_from_logits(logits, params)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+_MASK = (1 << 64) - 1
+
+
+def _mix(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (seed, position): splitmix64 over both (any int seed, negative ones too)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK
+    for mult, shift in ((0xBF58476D1CE4E5B9, 30), (0x94D049BB133111EB, 27)):
+        z = ((z ^ (z >> shift)) * mult) & _MASK
+    return (z ^ (z >> 31)) >> 1
+
+
+def position_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Gumbel noise (vocab,) fp32 for the token at sequence index `position` of a request keyed `seed`: drawn on
+    the CPU from (seed, position) alone, so every device, batch and drafter sees the same numbers."""
+    g = torch.Generator().manual_seed(_mix(seed, position))
+    u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
+    return (-torch.log(-torch.log(u))).float().to(device)
+
+
+def coupled_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The token at sequence index `position` under the coupled rule: argmax(log p + G), p the filtered
+    distribution of `logits` (V,), G `position_noise(seed, position)`."""
+    p = probs_from_logits(logits, params)
+    return int((p.log() + position_noise(seed, position, p.shape[-1], p.device)).argmax())

@@ -32,7 +32,7 @@ from .errors import SpecloomError
 from .kv import TREE_SLACK
 from .models import ForwardOutput
 from .results import GenerationResult, Stats, StopChecker, mean_accepted_length
-from .sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, coupled_token, sample_token
 from .tree import DraftTree
 from .verify import verify
 
@@ -63,13 +63,15 @@ class Row:
         self.eos = frozenset() if req.ignore_eos else tokenizer.eos_token_ids
         self.stopper = StopChecker(tokenizer, req.stop or [])
         self.generator = None if req.params.greedy else req.params.generator(device)
+        self.noise_seed = req.params.noise_seed()  # the coupled rule's key (sampling.py), or None
         self.tokens = list(req.ids)  # the whole sequence; tokens[-1] is the root: chosen, not yet run by the target
         self.out: list[int] = []
         self.finish: str | None = None
         self.text: str | None = None
         self.error: BaseException | None = None
         state = drafter.new_state() if drafter is not None else None
-        self.ctx = DraftContext(self.tokens, len(req.ids), req.params, self.generator, 0, row=row, kv=kv, state=state)
+        self.ctx = DraftContext(self.tokens, len(req.ids), req.params, self.generator, 0, row=row, kv=kv, state=state,
+                                noise_seed=self.noise_seed)
         self.drafting = drafter is not None
         self.stats = Stats()
         self.t0 = time.perf_counter()
@@ -274,7 +276,8 @@ class Stepper:
             logits = out.logits[0, -1]
             if req.constraint is not None:
                 req.constraint.mask_row(logits)
-            first = sample_token(logits, req.params, row.generator)
+            first = (sample_token(logits, req.params, row.generator) if row.noise_seed is None
+                     else coupled_token(logits, req.params, row.noise_seed, len(req.ids)))
             if row.drafting:
                 t = time.perf_counter()
                 try:
@@ -384,7 +387,8 @@ class Stepper:
                 if r.req.constraint is not None:
                     r.req.constraint.mask(trees[b], logits)
                 results[b] = verify(trees[b], logits, r.req.params, r.generator,
-                                    best[at[b]][:sizes[b]] if best is not None and plain_greedy[b] else None)
+                                    best[at[b]][:sizes[b]] if best is not None and plain_greedy[b] else None,
+                                    None if r.noise_seed is None else (r.noise_seed, r.ctx.root_position))
                 self.kv.commit(results[b].path, row=r.row)
             except Exception as e:
                 results[b] = None

@@ -8,6 +8,9 @@ recovered (drawn from the residual after a rejection), bonus (drawn from p when 
 child left to try).
 
 * Greedy (temperature 0): descend while some child carries the target's argmax; then emit the argmax.
+* Coupled sampling (`coupling`, sampling.py's "coupled" rule): the same walk with each node's token
+  argmax(log p + G_t), G_t Gumbel noise keyed to the sequence index t; a draft is kept iff it equals it, so the
+  text does not depend on the drafts at all.
 * Sampling: walk from the root; at each accepted node try its children in order. Child x with draft
   distribution q (one-hot at x when the tree has no `draft_probs`) is accepted with probability
   min(1, p(x) / q(x)); on rejection p <- normalize(max(0, p - q)) and the next sibling is tried (SpecInfer's
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, probs_from_logits
+from .sampling import SamplingParams, coupled_token, probs_from_logits
 from .tree import DraftTree
 
 
@@ -63,13 +66,18 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     best: list[int] | None = None,
+    coupling: tuple[int, int] | None = None,
 ) -> VerifyResult:
     """`best`, for greedy rows: the argmax of each row of `target_logits`, when the caller computed it already
-    (one argmax over all rows of a batched step)."""
+    (one argmax over all rows of a batched step). `coupling` = (noise seed, root position) for a request under
+    the coupled rule (sampling.py): the node after path root..i chooses the token at sequence index root position
+    + depth(i) + 1 by its position-keyed noise, and a draft is kept iff it equals that token."""
     if target_logits.shape[0] != len(tree):
         raise ValueError(f"{target_logits.shape[0]} rows of logits for a tree of {len(tree)} nodes")
     if params.greedy:
         return _verify_greedy(tree, target_logits, best)
+    if coupling is not None:
+        return _verify_coupled(tree, target_logits, params, *coupling)
     if generator is not None and generator.device.type != target_logits.device.type:
         raise ValueError(f"the sampling generator is on {generator.device} but the logits are on "
                          f"{target_logits.device}: create it with SamplingParams.generator(model.device)")
@@ -88,6 +96,20 @@ def _verify_greedy(tree: DraftTree, logits: torch.Tensor, best: list[int] | None
     node, path = 0, [0]
     while True:
         want = best[node]
+        nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        if nxt is None:
+            return VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [want], not tree.children(node))
+        node = nxt
+        path.append(node)
+
+
+def _verify_coupled(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, seed: int,
+                    root_position: int) -> VerifyResult:
+    """The greedy walk on position-keyed Gumbel-perturbed log-probabilities: at each node the target's token is
+    `coupled_token` at its sequence index; descend to the child carrying it, else emit it."""
+    node, path = 0, [0]
+    while True:
+        want = coupled_token(logits[node], params, seed, root_position + len(path))
         nxt = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
         if nxt is None:
             return VerifyResult(path, [tree.tokens[i] for i in path[1:]] + [want], not tree.children(node))

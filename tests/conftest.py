@@ -210,25 +210,27 @@ def gemma3_270m() -> Real:
     return load_real("gemma3-270m")
 
 
-def _sampling_tv(spec_engine, plain_engine, ids, n: int = 400, max_tokens: int = 4, top_k: int = 2):
+def _sampling_tv(spec_engine, plain_engine, ids, n: int = 400, max_tokens: int = 4, top_k: int = 2,
+                 rule: str = "rejection"):
     """Sample `n` continuations of `ids` (temperature 1, top-k 2) from both engines and return the total variation
     distance between the distributions of their first three tokens (8 outcomes; two plain runs differ by about
     0.06 at n = 400). With max_tokens 4 the second step verifies two drafted tokens at once, so the drafter's q
     and the residual at depths 1 and 2 shape tokens 2 and 3. Asserts the speculative engine really drafted (a
-    sampling test must not silently run plain decoding)."""
+    sampling test must not silently run plain decoding). `rule`: the speculative engine's sampling rule
+    (sampling.py; the plain engine samples by its generator, "rejection", either way)."""
     from collections import Counter
 
-    def run(engine, base):
+    def run(engine, base, rule):
         outs, drafted = Counter(), 0
         for s in range(n):
             r = engine.generate(prompt_token_ids=ids, max_tokens=max_tokens, temperature=1.0, top_k=top_k,
-                                seed=base + s, ignore_eos=True)
+                                seed=base + s, sampling_rule=rule, ignore_eos=True)
             outs[tuple(r.token_ids[:3])] += 1
             drafted += r.num_draft_tokens
         return outs, drafted
 
-    a, drafted = run(spec_engine, 0)
-    b, _ = run(plain_engine, 10_000)
+    a, drafted = run(spec_engine, 0, rule)
+    b, _ = run(plain_engine, 10_000, "rejection")
     assert drafted >= n, f"the drafter proposed only {drafted} tokens in {n} generations"
     return 0.5 * sum(abs(a[x] - b[x]) for x in set(a) | set(b)) / n
 

@@ -361,7 +361,8 @@ def test_tiny_sampling_keeps_the_constrained_distribution(tiny, btok):
         def dist(engine, base, n=500):
             out, drafted = Counter(), 0
             for s in range(n):
-                r, _ = constrained(engine, btok, ids, spec, max_tokens=4, temperature=1.0, seed=base + s)
+                r, _ = constrained(engine, btok, ids, spec, max_tokens=4, temperature=1.0, seed=base + s,
+                                   sampling_rule="rejection")
                 out[tuple(r.token_ids[:3])] += 1
                 drafted += r.num_draft_tokens
             return out, drafted

@@ -18,6 +18,9 @@ def add(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--sampling-rule", choices=("auto", "coupled", "rejection"), default="auto",
+                   help="how sampled tokens are drawn under speculation: coupled (the text depends on the seed alone, "
+                        "drafter or not), rejection (min(1, p/q)); auto: coupled when --seed is given")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--compare-plain", action="store_true",
@@ -38,7 +41,7 @@ def run(args) -> int:
     engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
                   device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
     kw = dict(chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, stop=args.stop)
+              top_p=args.top_p, seed=args.seed, sampling_rule=args.sampling_rule, stop=args.stop)
     plain = None
     if args.compare_plain:
         plain = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype)

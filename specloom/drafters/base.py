@@ -199,6 +199,7 @@ class DraftContext:
     kv: object = None  # the target's KV store (kv.KVCache)
     state: object = None  # the drafter's per-row state (`Drafter.new_state()`)
     budget: int = 0  # the most drafted tokens this row may still emit (its token budget; k <= budget)
+    noise_seed: int | None = None  # coupled sampling (sampling.py): draw drafts as argmax(log q + G_t) with this key
 
     @property
     def root_position(self) -> int:

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import probs_from_logits
+from ..sampling import coupled_token, probs_from_logits
 from ..tree import DraftTree
 
 
 def draw(ctxs, logits: torch.Tensor, take, drafts: list[list[int]], qs: list[list[torch.Tensor]],
          to_target=None, full_vocab=None) -> list[int]:
     """One chain position for every row: row b (where take[b]) appends its draft token from logits[b] -- the
-    argmax under greedy, else a sample from q = probs_from_logits(logits[b]) with the row's own generator (q kept
-    for the verifier). Returns every row's token (rows not taking one get their argmax, to feed on)."""
+    argmax under greedy; under the coupled rule argmax(log q + G_t) with the target's own noise for that sequence
+    index (sampling.py: the draft is the token the target picks whenever q and p agree enough); else a sample
+    from q = probs_from_logits(logits[b]) with the row's own generator (q kept for the verifier). Returns every
+    row's token (rows not taking one get their argmax, to feed on)."""
     best = logits.argmax(-1)
     best = (best if to_target is None else to_target(best)).tolist()
     out = list(best)
@@ -24,6 +26,11 @@ def draw(ctxs, logits: torch.Tensor, take, drafts: list[list[int]], qs: list[lis
             continue
         if c.params.greedy:
             tok = best[b]
+        elif c.noise_seed is not None:  # coupled: no q needed (verification compares tokens)
+            q = logits[b] if full_vocab is None else full_vocab(logits[b])
+            tok = coupled_token(q, c.params, c.noise_seed, c.root_position + 1 + len(drafts[b]))
+            if full_vocab is None and to_target is not None:
+                tok = int(to_target(torch.tensor(tok)))
         else:
             q = probs_from_logits(logits[b] if full_vocab is None else full_vocab(logits[b]), c.params)
             tok = int(torch.multinomial(q, 1, generator=c.generator))

@@ -23,6 +23,7 @@ class GenerationRequest:
     top_p: float = 1.0
     n: int = 1
     seed: int | None = None
+    sampling_rule: str = "auto"
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -55,6 +56,7 @@ def read_request(body: dict, chat: bool, server) -> GenerationRequest:
     prompts = [_chat_ids(m, plan, server)] if chat else _completion_ids(m, server)
     req = GenerationRequest(
         chat=chat, prompts=prompts, max_tokens=max_tokens, n=n, seed=m.seed, plan=plan,
+        sampling_rule=m.sampling_rule or "auto",
         temperature=1.0 if m.temperature is None else float(m.temperature),
         top_p=1.0 if m.top_p is None else float(m.top_p),
         stop=[m.stop] if isinstance(m.stop, str) else list(m.stop or []),

@@ -70,6 +70,9 @@ class _Sampling(_Open):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    sampling_rule: Literal["auto", "coupled", "rejection"] | None = Field(
+        default=None, description="specloom extension: how sampled tokens are drawn under speculation (auto: "
+                                  "coupled when seeded -- the text depends on the seed alone --, else rejection)")
 
 
 class ChatCompletionRequest(_Sampling):
