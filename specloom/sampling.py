@@ -30,6 +30,7 @@ from .errors import SpecloomError
 
 
 RULES = ("auto", "coupled", "rejection")
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy decoding
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or one so small that logits / temperature overflow (as vLLM: below 1e-5)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def coupled(self) -> bool:

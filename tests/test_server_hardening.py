@@ -224,16 +224,64 @@ def test_bounds_apply_to_their_union_member(live):
     for extra, param in (({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"temperature": True}, "temperature")):
         status, body = _post(port, "/v1/chat/completions", json.dumps({**OK_CHAT, **extra}).encode())
         assert status == 400 and body["error"]["param"] == param, (extra, body)
-    doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json").read())
+    doc = json.loads(urllib.request.urlopen(_with_key(f"http://127.0.0.1:{port}/openapi.json")).read())
     props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"type": "string"} in props["stop"]["anyOf"] and "maxLength" not in props["stop"]
     assert {"items": {"type": "string"}, "maxItems": 4, "type": "array"} in props["stop"]["anyOf"]
     assert {"maximum": 2, "minimum": 0, "type": "number"} in props["temperature"]["anyOf"]
 
 
+def _with_key(url: str):
+    return urllib.request.Request(url, headers={"Authorization": f"Bearer {KEY}"})
+
+
+def test_docs_behind_the_key_and_a_strict_bearer(live):
+    """With an API key set, the OpenAPI document and the docs pages need it too; a token with a tab or trailing
+    junk is refused (one or more spaces after the scheme are RFC 7235's 1*SP and stay valid)."""
+    port, _ = live
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}")
+        assert e.value.code == 401, path
+        assert urllib.request.urlopen(_with_key(f"http://127.0.0.1:{port}{path}")).status == 200, path
+    for auth in (f"Bearer\t{KEY}", f"Bearer {KEY} x", f"Bearer {KEY}\tx"):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": auth})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req)
+        assert e.value.code == 401, auth
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
+    ({"logit_bias": {"5": 3.0}}, "logit_bias"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages[0].content[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     "messages[0].content[0].type"),
+])
+def test_fields_that_would_change_the_output_are_refused_not_ignored(live, body, param):
+    port, _ = live
+    status, out = _post(port, "/v1/chat/completions", json.dumps({**OK_CHAT, **body}).encode())
+    assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_completions_echo_best_of_and_suffix(live):
+    port, engine = live
+    base = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    _, plain = _post(port, "/v1/completions", json.dumps(base).encode())
+    status, echoed = _post(port, "/v1/completions", json.dumps({**base, "echo": True, "best_of": 1}).encode())
+    assert status == 200 and echoed["choices"][0]["text"] == "Hello there" + plain["choices"][0]["text"]
+    for extra, param in (({"suffix": "!"}, "suffix"), ({"best_of": 3}, "best_of"),
+                         ({"echo": True, "logprobs": 1}, "echo")):
+        status, out = _post(port, "/v1/completions", json.dumps({**base, **extra}).encode())
+        assert status == 400 and out["error"]["param"] == param, (extra, out)
+
+
 def test_openapi_describes_request_bodies(live):
     port, _ = live
-    doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/openapi.json").read())
+    doc = json.loads(urllib.request.urlopen(_with_key(f"http://127.0.0.1:{port}/openapi.json")).read())
     schemas = doc["components"]["schemas"]
     for path, model in (("/v1/chat/completions", "ChatCompletionRequest"), ("/v1/completions", "CompletionRequest")):
         ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]

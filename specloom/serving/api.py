@@ -137,7 +137,7 @@ class Server:
                 raise generation_error(e) from None
             self.finished(seq)
             completion += len(r.token_ids)
-            fields, called = message(req.plan, r.text, chat)
+            fields, called = message(req.plan, (req.echo[i // req.n] if req.echo else "") + r.text, chat)
             lps = None if r.logprobs is None else logprobs_json(self.engine.tokenizer, chat, r.token_ids, r.logprobs)
             choices.append({"index": i, **fields, "finish_reason": finish_reason(r, called), "logprobs": lps})
         return Envelope(chat, self.model_name).body(choices, usage(req.prompts, completion))

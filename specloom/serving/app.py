@@ -21,10 +21,12 @@ log = logging.getLogger("specloom.serve")
 
 
 def bearer_ok(header: str, key: str) -> bool:
-    """`Authorization: Bearer KEY` (the scheme in any case, as RFC 7235 has it), the key compared in constant
-    time."""
-    scheme, _, given = header.strip().partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    """`Authorization: Bearer KEY` as RFC 7235 and 6750 write it: the scheme in any case, one or more spaces
+    (1*SP), then the token and nothing else (no tab, no inner or trailing space); compared in constant time."""
+    scheme, _, rest = header.partition(" ")
+    given = rest.lstrip(" ")
+    ok = scheme.lower() == "bearer" and given != "" and not any(c.isspace() for c in given)
+    return hmac.compare_digest(given.encode(), key.encode()) and ok
 
 
 def build_app(target):
@@ -39,7 +41,8 @@ def build_app(target):
     from .schemas import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components
 
     life = target if isinstance(target, Lifecycle) else Lifecycle(target)
-    app = FastAPI(title="specloom")
+    # the docs routes are ours (below): behind the API key like every other route that describes the server
+    app = FastAPI(title="specloom", docs_url=None, redoc_url=None, openapi_url=None)
 
     def error(e: APIError):
         if life.server is not None:
@@ -132,4 +135,27 @@ def build_app(target):
         return app.openapi_schema
 
     app.openapi = openapi
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(request: Request):
+        if (resp := denied(request)) is not None:
+            return resp
+        return JSONResponse(openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(request: Request):
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        if (resp := denied(request)) is not None:
+            return resp
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="specloom")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(request: Request):
+        from fastapi.openapi.docs import get_redoc_html
+
+        if (resp := denied(request)) is not None:
+            return resp
+        return get_redoc_html(openapi_url="/openapi.json", title="specloom")
+
     return app

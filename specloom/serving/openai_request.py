@@ -29,6 +29,7 @@ class GenerationRequest:
     include_usage: bool = False
     logprobs: int | None = None  # None: none; else how many alternatives per token
     plan: object | None = None  # serving/tools.py's ToolPlan, or None
+    echo: list[str] | None = None  # completions `echo`: each prompt's text, put before its choices' text
 
     @property
     def choices(self) -> int:
@@ -62,7 +63,8 @@ def read_request(body: dict, chat: bool, server) -> GenerationRequest:
         stop=[m.stop] if isinstance(m.stop, str) else list(m.stop or []),
         stream=m.stream is True,
         include_usage=m.stream_options is not None and m.stream_options.include_usage is True,
-        logprobs=_logprobs(m, chat))
+        logprobs=_logprobs(m, chat),
+        echo=None if chat or not m.echo else _prompt_texts(m, server))
     if req.choices > server.max_n:
         raise APIError(400, f"{len(prompts)} prompts x n={n} is {req.choices} sequences; this server runs at most "
                             f"{server.max_n} at once", "prompt")
@@ -112,10 +114,20 @@ def _chat_ids(m, plan, server) -> list[int]:
         raise APIError(400, str(e), "messages") from None
 
 
+def _prompt_items(m) -> list:
+    p = m.prompt
+    return p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+
+
+def _prompt_texts(m, server) -> list[str]:
+    """Each prompt as `echo` returns it: a text as sent, token ids decoded."""
+    return [x if isinstance(x, str) else server.engine.tokenizer.decode(x, skip_special_tokens=False)
+            for x in _prompt_items(m)]
+
+
 def _completion_ids(m, server) -> list[list[int]]:
     """One prompt per text, token-id list or item of a list of either."""
-    p = m.prompt
-    items = p if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
+    items = _prompt_items(m)
     vocab = server.engine.model.config.vocab_size
     out = []
     for x in items:

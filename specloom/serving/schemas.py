@@ -2,7 +2,9 @@
 truthy string), used to validate each body before it is planned and to give the OpenAPI document real request
 schemas. The validated model is the request the server reads (serving/openai_request.py); only what depends on the
 server (the model name, max_tokens against the context, n against the pool, token ids against the vocabulary) is
-checked there. Fields OpenAI has and specloom ignores (e.g. `user`, `frequency_penalty`) are accepted."""
+checked there. Fields that would change the output and are not implemented (penalties, logit_bias, suffix, media
+content parts, unknown roles) are refused with a 400 naming them; fields without effect on the output (e.g. `user`)
+are accepted."""
 
 from __future__ import annotations
 
@@ -29,11 +31,21 @@ class ContentPart(_Open):
     type: StrictStr
     text: StrictStr | None = None
 
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v):
+        if v != "text":
+            raise ValueError(f"content parts of type {v!r} are not supported: this model reads text only")
+        return v
+
     @model_validator(mode="after")
     def _text_part(self):
-        if self.type == "text" and self.text is None:
+        if self.text is None:
             raise ValueError("a text part needs \"text\": a string")
         return self
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatMessage(_Open):
@@ -42,6 +54,19 @@ class ChatMessage(_Open):
     name: StrictStr | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: StrictStr | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v):
+        if v not in ROLES:
+            raise ValueError(f"role {v!r} is not one of {', '.join(ROLES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _tool_answer(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs \"tool_call_id\": the id of the call it answers")
+        return self
 
 
 class FunctionDef(_Open):
@@ -70,9 +95,20 @@ class _Sampling(_Open):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    # OpenAI fields specloom does not implement yet: refused when they would change the output (never ignored)
+    logit_bias: dict[str, StrictFloat] | None = None
+    presence_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
     sampling_rule: Literal["auto", "coupled", "rejection"] | None = Field(
         default=None, description="specloom extension: how sampled tokens are drawn under speculation (auto: "
                                   "coupled when seeded -- the text depends on the seed alone --, else rejection)")
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _not_implemented(cls, v, info):
+        if v:
+            raise ValueError(f"{info.field_name} is not supported yet (only {'an empty map' if isinstance(v, dict) else 0})")
+        return v
 
 
 class ChatCompletionRequest(_Sampling):
@@ -99,6 +135,29 @@ class CompletionRequest(_Sampling):
         description="text, a list of texts, a list of token ids, or a list of token-id lists (none empty)")
     logprobs: StrictInt | None = Field(default=None, ge=0, le=5)
     echo: StrictBool | None = None
+    best_of: StrictInt | None = Field(default=None, ge=1)
+    suffix: StrictStr | None = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo(cls, v, info):
+        if v and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported (the prompt's logprobs are not computed)")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v, info):
+        if v != (info.data.get("n") or 1):
+            raise ValueError("best_of must equal n: specloom returns every candidate it generates")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
 
 
 def _path(loc) -> str:

@@ -102,6 +102,9 @@ def stream(server, req, is_disconnected):
             if req.chat:
                 for i in range(req.choices):
                     yield env.chunk(i, role=True)
+            elif req.echo:  # completions `echo`: the prompt's text first
+                for i in range(req.choices):
+                    yield env.chunk(i, text=req.echo[i // req.n])
             while left:
                 try:
                     i, kind, val = await asyncio.wait_for(q.get(), 0.5)
