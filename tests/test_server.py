@@ -217,3 +217,23 @@ def test_logprobs_are_the_targets_own(server):
     assert [e.logprob for x in streamed for e in x.content] == pytest.approx([c.logprob for c in content], abs=1e-4)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=2, top_logprobs=3)
+
+
+def test_usage_reports_how_speculation_went(server):
+    """Each response's usage carries the drafted and accepted tokens (OpenAI's predicted-output fields and
+    specloom's `speculation`), equal to what the engine reports for the same request alone; streamed too."""
+    client, engine, _ = server
+    r = client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=24, temperature=0)
+    alone = engine.generate(messages=MSG, max_tokens=24)
+    spec = r.usage.model_extra["speculation"]
+    details = r.usage.completion_tokens_details
+    assert spec["drafted_tokens"] == alone.num_draft_tokens and spec["accepted_tokens"] == alone.num_accepted_tokens
+    assert details.accepted_prediction_tokens == alone.num_accepted_tokens
+    assert details.rejected_prediction_tokens == alone.num_draft_tokens - alone.num_accepted_tokens
+    assert spec["target_passes"] == alone.num_target_passes
+    assert spec["tau"] == round(r.usage.completion_tokens / alone.num_target_passes, 3)
+    if engine.drafter is not None:
+        assert spec["drafted_tokens"] > 0
+    chunks = list(client.chat.completions.create(model="smollm2-135m", messages=MSG, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.model_extra["speculation"] == spec

@@ -129,18 +129,18 @@ class Server:
             if gone.is_set():
                 self.cancel(seqs)
                 raise APIError(499, "the client closed the request", None, "client_closed")
-        choices, completion = [], 0
+        choices, results = [], []
         for i, seq in enumerate(seqs):
             try:
                 r = seq.wait()
             except Exception as e:
                 raise generation_error(e) from None
             self.finished(seq)
-            completion += len(r.token_ids)
+            results.append(r)
             fields, called = message(req.plan, (req.echo[i // req.n] if req.echo else "") + r.text, chat)
             lps = None if r.logprobs is None else logprobs_json(self.engine.tokenizer, chat, r.token_ids, r.logprobs)
             choices.append({"index": i, **fields, "finish_reason": finish_reason(r, called), "logprobs": lps})
-        return Envelope(chat, self.model_name).body(choices, usage(req.prompts, completion))
+        return Envelope(chat, self.model_name).body(choices, usage(req.prompts, results))
 
     def stream(self, body: dict, chat: bool, is_disconnected):
         """The async generator of a streamed response's SSE lines (serving/stream.py). Parsing, validation and

@@ -64,9 +64,20 @@ def logprobs_json(tok, chat: bool, token_ids: list[int], lps: list) -> dict:
             "top_logprobs": [{s(a): alp for a, alp in alts} for _, alts in lps], "text_offset": offsets}
 
 
-def usage(prompts: list[list[int]], completion: int) -> dict:
+def usage(prompts: list[list[int]], results: list) -> dict:
+    """OpenAI's usage object for these results, with how speculation went: `completion_tokens_details` as OpenAI's
+    predicted outputs report it (accepted / rejected prediction tokens) and specloom's `speculation` (drafted and
+    accepted tokens, target passes, tau = tokens per pass)."""
     used = sum(map(len, prompts))
-    return {"prompt_tokens": used, "completion_tokens": completion, "total_tokens": used + completion}
+    completion = sum(len(r.token_ids) for r in results)
+    drafted = sum(r.num_draft_tokens for r in results)
+    accepted = sum(r.num_accepted_tokens for r in results)
+    passes = sum(r.num_target_passes for r in results)
+    return {"prompt_tokens": used, "completion_tokens": completion, "total_tokens": used + completion,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "speculation": {"drafted_tokens": drafted, "accepted_tokens": accepted, "target_passes": passes,
+                            "tau": round(completion / passes, 3) if passes else None}}
 
 
 class Envelope:

@@ -97,7 +97,7 @@ def stream(server, req, is_disconnected):
             yield env.chunk(i, text=text, logprobs=lps)
 
     async def gen():
-        completion, left = 0, req.choices
+        results, left = [], req.choices
         try:
             if req.chat:
                 for i in range(req.choices):
@@ -125,10 +125,10 @@ def stream(server, req, is_disconnected):
                 server.finished(seq)
                 for line in text_chunks(i, choices[i].hold.push(choices[i].detok.finish(), final=True), final=True):
                     yield line
-                completion += len(seq.result.token_ids)
+                results.append(seq.result)
                 yield env.chunk(i, finish=finish_reason(seq.result, choices[i].called > 0))
             if req.include_usage:
-                yield env.sse([], usage(req.prompts, completion))
+                yield env.sse([], usage(req.prompts, results))
             yield "data: [DONE]\n\n"
         finally:  # the client went away (or we are done): stop and free whatever still runs
             server.cancel(seqs)
