@@ -386,9 +386,9 @@ class Stepper:
             try:
                 if r.req.constraint is not None:
                     r.req.constraint.mask(trees[b], logits)
+                coupled = {} if r.noise_seed is None else {"coupling": (r.noise_seed, r.ctx.root_position)}
                 results[b] = verify(trees[b], logits, r.req.params, r.generator,
-                                    best[at[b]][:sizes[b]] if best is not None and plain_greedy[b] else None,
-                                    None if r.noise_seed is None else (r.noise_seed, r.ctx.root_position))
+                                    best[at[b]][:sizes[b]] if best is not None and plain_greedy[b] else None, **coupled)
                 self.kv.commit(results[b].path, row=r.row)
             except Exception as e:
                 results[b] = None
