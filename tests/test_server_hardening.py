@@ -323,3 +323,65 @@ def test_serve_fails_fast_when_it_cannot_bind(tiny_smol):
             assert time.time() - t0 < 60
     finally:
         taken.close()
+
+
+def test_idle_and_slowloris_connections_are_closed_and_connections_capped(tiny_smol):
+    """A socket that never sends a request, and one sending a request head a byte at a time, are closed after the
+    head timeout; a real request on a fresh connection is still served; beyond the connection cap new requests
+    get a 503 at once, and the server serves again once they go."""
+    import socket
+    import time
+
+    from specloom import Engine
+    from specloom.bench.serve_load import LiveServer
+    from specloom.serving.api import Server
+    from specloom.speculative import SpeculativeConfig
+
+    model, tokenizer, _ = tiny_smol
+    engine = Engine(model, tokenizer, SpeculativeConfig.parse(None), max_model_len=256)
+    live = LiveServer(Server(engine, NAME, max_num_seqs=2, speculation="off"), head_timeout=1.0, max_connections=4)
+    try:
+        idle = socket.create_connection(("127.0.0.1", live.port))
+        slow = socket.create_connection(("127.0.0.1", live.port))
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        t0 = time.monotonic()
+        closed = {}
+        for b in head[:30]:  # one byte every 0.1 s: the head never completes within the timeout
+            try:
+                slow.sendall(bytes([b]))
+            except OSError:
+                closed["slow"] = time.monotonic() - t0
+                break
+            time.sleep(0.1)
+        for name, s in (("idle", idle), ("slow", slow)):
+            s.settimeout(3)
+            try:
+                data = s.recv(1024)  # b"": the server closed it (a timeout here raises: still open)
+            except ConnectionResetError:
+                data = b""
+            assert data == b"", (name, data)
+            s.close()
+        assert "slow" in closed or time.monotonic() - t0 < 6
+        status, _ = _post_open(live.port)
+        assert status == 200
+        held = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(5)]
+        time.sleep(0.2)
+        status, _ = _post_open(live.port)
+        assert status == 503  # over the cap
+        for s in held:
+            s.close()
+        time.sleep(1.5)
+        assert _post_open(live.port)[0] == 200
+    finally:
+        live.close()
+
+
+def _post_open(port):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                 data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()

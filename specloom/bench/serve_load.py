@@ -33,15 +33,16 @@ class LiveServer:
     """A Server behind uvicorn on 127.0.0.1 in a thread (its scheduler runs wherever the caller runs it); used by
     `bench-serve` and the server tests. `close()` stops HTTP and the scheduler."""
 
-    def __init__(self, server):
+    def __init__(self, server, **limits):
         import uvicorn
 
         from ..serving.app import build_app
+        from ..serving.http_limits import config
 
         self.server = server
         self.port = _free_port()
-        self.uv = uvicorn.Server(uvicorn.Config(build_app(server), host="127.0.0.1", port=self.port,
-                                                log_level="warning"))
+        self.uv = uvicorn.Server(config(build_app(server), host="127.0.0.1", port=self.port, log_level="warning",
+                                        **limits))
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         for _ in range(400):

@@ -44,6 +44,11 @@ def add(sub) -> None:
     p.add_argument("--special-tokens-in-input", action="store_true",
                     help="parse special-token strings (e.g. <|im_end|>) in message content and completions prompts "
                          "as special tokens (default: plain text, so content cannot forge a chat turn)")
+    p.add_argument("--head-timeout", type=seconds, default=10.0, metavar="SECONDS",
+                    help="close a connection that has not sent a complete request head within this long of opening "
+                         "(or of its last response): idle and slowloris sockets do not pile up (default 10)")
+    p.add_argument("--max-connections", type=positive_int, default=512,
+                    help="concurrent connections and requests before new ones get a 503 at once (default 512)")
     device_option(p)
     p.set_defaults(run=run)
 
@@ -59,6 +64,7 @@ def run(args) -> int:
     from ..serving.api import Server
     from ..serving.app import build_app
     from ..serving.lifecycle import Lifecycle
+    from ..serving.http_limits import config as http_config
     from ..serving.listen import listen
 
     logging.getLogger("specloom.serve").setLevel(logging.INFO)  # admission, pool size, load-aware depth changes
@@ -70,8 +76,8 @@ def run(args) -> int:
     # HTTP first, in a thread (/health: 503 "starting" while the model loads); the scheduler (all model work) in
     # the main thread: see BatchScheduler's `start`.
     life = Lifecycle()
-    uv = uvicorn.Server(uvicorn.Config(build_app(life), host=args.host, port=port, log_level="warning",
-                                       timeout_graceful_shutdown=10))
+    uv = uvicorn.Server(http_config(build_app(life), args.head_timeout, args.max_connections, host=args.host,
+                                    port=port, log_level="warning", timeout_graceful_shutdown=10))
     uv.install_signal_handlers = lambda: None  # signals stay with the main thread
 
     def http():
