@@ -305,7 +305,11 @@ def verify_cost_curve(model, refresh: bool = False) -> BatchCost:
         try:
             return _read(path)
         except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError):
-            pass  # unreadable (cut short, corrupt): measured again below and rewritten
+            # unreadable (cut short, corrupt): named, measured again below and rewritten
+            import logging
+
+            logging.getLogger("specloom").warning("specloom: tree cost curve cache %s is unreadable: measuring "
+                                                  "it again", path)
     cost = measure_batch_cost(model, 1, context=256, tokens=TREE_SIZES)
     if path:
         _write(path, cost)

@@ -48,3 +48,44 @@ def test_tokenizer_cache_missing_its_files_is_converted_again(gguf, caplog):
     assert again.encode(text) == want
     assert any("tokenizer cache" in r.getMessage() and "again" in r.getMessage() for r in caplog.records)
     assert os.listdir(folder)  # rebuilt
+
+
+def test_corrupt_compiled_kernel_is_named_moved_aside_and_rebuilt(tmp_path, monkeypatch, caplog):
+    """A cached kernel cut short no longer loads: one warning names it, it is moved aside, the kernel is built
+    again and loads (where a C compiler exists)."""
+    from specloom.models import native
+
+    cc = native.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = native.build(cc, "invariant_linear.c")
+    with open(path, "wb") as f:
+        f.write(b"\x7fELF cut short")
+    with caplog.at_level(logging.WARNING, logger="specloom"):
+        lib = native._open(cc, "invariant_linear.c")
+    assert hasattr(lib, "invariant_linear")
+    assert any("does not load" in r.getMessage() and path in r.getMessage() for r in caplog.records)
+    import os
+
+    assert os.path.isfile(path + ".bad") and os.path.getsize(path) > 1000  # the bad one kept aside, a real one back
+
+
+def test_corrupt_tree_cost_curve_is_named_and_measured_again(tiny, tmp_path, monkeypatch, caplog):
+    from specloom import cost
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cost, "TREE_SIZES", (1, 2, 3))
+    model = tiny("llama").model
+    path = cost._cache_path(model, "tree")
+    if not path:
+        pytest.skip("this model has no cache key")
+    first = cost.verify_cost_curve(model)
+    with open(path, "w") as f:
+        f.write("{cut short")
+    with caplog.at_level(logging.WARNING, logger="specloom"):
+        again = cost.verify_cost_curve(model)
+    assert again.tokens == first.tokens
+    assert any("tree cost curve cache" in r.getMessage() for r in caplog.records)
+    with open(path) as f:
+        json.load(f)  # rewritten whole

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -62,8 +63,10 @@ def _open(cc: str, source: str) -> ctypes.CDLL:
     path = build(cc, source)
     try:
         return ctypes.CDLL(path)
-    except OSError:  # a cached object cut short or corrupt: build it again, once
-        os.unlink(path)
+    except OSError as e:  # a cached object cut short or corrupt: named, moved aside, built again (once)
+        logging.getLogger("specloom").warning("specloom: the cached kernel %s does not load (%s): moved aside to "
+                                              "%s.bad, rebuilding", path, e, path)
+        os.replace(path, path + ".bad")
         return ctypes.CDLL(build(cc, source))
 
 
