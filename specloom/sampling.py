@@ -21,6 +21,7 @@ Two sampling rules (`SamplingParams.rule`), both exact (every token is distribut
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -117,10 +118,16 @@ def _mix(seed: int, position: int) -> int:
 
 def position_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Gumbel noise (vocab,) fp32 for the token at sequence index `position` of a request keyed `seed`: drawn on
-    the CPU from (seed, position) alone, so every device, batch and drafter sees the same numbers."""
+    the CPU from (seed, position) alone, so every device, batch and drafter sees the same numbers (read-only)."""
+    return _noise(seed, position, vocab).to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    # cached: the drafter draws a position's draft and the verifier checks it with the same numbers
     g = torch.Generator().manual_seed(_mix(seed, position))
     u = torch.rand(vocab, generator=g, dtype=torch.float64).clamp_(1e-300, 1.0 - 1e-16)
-    return (-torch.log(-torch.log(u))).float().to(device)
+    return (-torch.log(-torch.log(u))).float()
 
 
 def coupled_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
