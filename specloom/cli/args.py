@@ -46,7 +46,10 @@ def common_options(p: argparse.ArgumentParser) -> None:
                    help="draft depth per step: auto (default: from this host's verify-cost curve and the request's "
                         "acceptance; plain decoding where the drafter cannot pay), fixed (the drafter's own depth), "
                         "off")
-    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "invariant", "native", "fp32", "int8"],
-                   help="the target's linear kernel: auto (default: measured once per host among the kernels that "
-                        "keep the model's numerics); fp32 and int8 change a bf16 model's numerics (opt-in)")
+    p.add_argument("--linear-kernel", default="auto",
+                   choices=["auto", "ggml", "onednn", "invariant", "native", "fp32", "int8"],
+                   help="the target's linear kernel: auto (default: measured once per host by whole decode steps and "
+                        "verification passes, among ggml -- a GGUF's 4/8-bit blocks as shipped -- and the kernels "
+                        "that run its weights dequantised to bf16); ggml keeps the blocks, any other name "
+                        "dequantises; fp32 and int8 change a bf16 model's numerics (opt-in)")
     device_option(p)

@@ -101,11 +101,21 @@ def _groups(model: nn.Module) -> list[tuple[nn.Linear, int]]:
     return [(m, n) for m, n in groups.values()]
 
 
+def _held(model: nn.Module) -> list[nn.Module]:
+    """The linears that compute from GGUF blocks as shipped (`ggml`), one per distinct shape and type."""
+    seen: dict[tuple, nn.Module] = {}
+    for m in model.modules():
+        if getattr(m, "kernel", None) == "ggml":
+            seen.setdefault((m.out_features, m.in_features, tuple(m.types)), m)
+    return list(seen.values())
+
+
 def _signature(model: nn.Module, dtype: torch.dtype) -> str:
     shapes = sorted((k[0], k[1], k[2], n) for k, n in
                     (((m.out_features, m.in_features, m.bias is not None), n) for m, n in _groups(model)))
+    held = sorted([m.out_features, m.in_features, list(m.types)] for m in _held(model))
     attn = bool(model.uses_invariant_attention()) if hasattr(model, "uses_invariant_attention") else False
-    return hashlib.sha1(json.dumps([str(dtype), shapes, attn]).encode()).hexdigest()[:12]
+    return hashlib.sha1(json.dumps([str(dtype), shapes, attn] + ([held] if held else [])).encode()).hexdigest()[:12]
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> list[str]:
@@ -122,9 +132,11 @@ def batch_invariant(model: nn.Module, kernel: str, rows=(9, 16)) -> bool:
     """Whether `kernel` gives every row of a pass the bits it gives that row alone, on each linear shape of
     `model` (random activations; rows 0, a middle one and the last of passes over `rows` rows)."""
     g = torch.Generator().manual_seed(1)
-    for lin, _ in _groups(model):
-        mod = cpu_packing.build_kernel(kernel, lin)
-        x = torch.randn(max(rows), lin.in_features, generator=g).to(lin.weight.dtype)
+    mods = [(m, m) for m in _held(model)] if kernel == "ggml" else []
+    for lin, mod in mods + [(lin, None) for lin, _ in _groups(model)]:
+        mod = mod or cpu_packing.build_kernel(kernel, lin)
+        x = torch.randn(max(rows), lin.in_features, generator=g)
+        x = x.to(getattr(lin, "dtype", None) or lin.weight.dtype)
         for n in rows:
             y = mod(x[:n])
             if not all(torch.equal(mod(x[i:i + 1])[0], y[i]) for i in sorted({0, n // 2, n - 1})):
@@ -133,16 +145,31 @@ def batch_invariant(model: nn.Module, kernel: str, rows=(9, 16)) -> bool:
 
 
 class _Installed:
-    """The model's plain linears, and installing one kernel's modules in their place (or the originals back)."""
+    """The model's plain linears (and those held as GGUF blocks), and installing one kernel's modules in their
+    place (or the originals back). A held linear runs as itself under `ggml` and on a dense copy of its weights
+    (dequantised once, when a kernel first needs it) under any other kernel."""
 
     def __init__(self, model: nn.Module):
         self.slots = [(parent, name, child) for parent in model.modules()
-                      for name, child in parent.named_children() if type(child) is nn.Linear]
+                      for name, child in parent.named_children()
+                      if type(child) is nn.Linear or getattr(child, "kernel", None) == "ggml"]
         self.built: dict[str, list] = {}
+        self.dense: dict[int, nn.Linear] = {}
+
+    def _module(self, kernel: str, i: int, lin: nn.Module) -> nn.Module:
+        if getattr(lin, "kernel", None) == "ggml":
+            if kernel == "ggml":
+                return lin
+            if i not in self.dense:
+                from ..models.ggml_linear import dense_linear
+
+                self.dense[i] = dense_linear(lin)
+            lin = self.dense[i]
+        return cpu_packing.build_kernel(kernel, lin)
 
     def install(self, kernel: str | None) -> None:
         if kernel is not None and kernel not in self.built:
-            self.built[kernel] = [cpu_packing.build_kernel(kernel, lin) for _, _, lin in self.slots]
+            self.built[kernel] = [self._module(kernel, i, lin) for i, (_, _, lin) in enumerate(self.slots)]
         for i, (parent, name, lin) in enumerate(self.slots):
             setattr(parent, name, lin if kernel is None else self.built[kernel][i])
 
@@ -220,7 +247,7 @@ def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str =
     """The default choice from a whole-pass probe (see the module doc); notes say why each other lost."""
     ms, inv = probe["ms"], probe.get("invariant", {})
     dt = str(dtype).replace("torch.", "")
-    exact = [k for k in exact_candidates(dtype, device) if k in ms] or ["native"]
+    exact = [k for k in ["ggml", *exact_candidates(dtype, device)] if k in ms] or ["native"]
     if "native" not in ms:
         ms = {**ms, "native": {w: 0.0 for w in next(iter(ms.values()), {"1": 0.0})}}
     rate = {k: expected_rate(ms[k], drafting) for k in ms}
@@ -288,9 +315,16 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
             return one
         return KernelChoice(single, many.multi, f"{single} for one-row passes, {many.multi} for several rows "
                             f"({many.reason})", dt, many.probe, many.notes)
+    held = bool(_held(model))
+    if kernel == "ggml":
+        if not held:
+            raise SpecloomError("linear kernel 'ggml' computes from the blocks a GGUF file ships; this model holds "
+                                "none (not a GGUF target, --dtype fp32, or no GGML type with a kernel)")
+        return KernelChoice("ggml", "ggml", "forced: GGUF weights as shipped", dt,
+                            invariant=batch_invariant(model, "ggml"))
     if kernel != "auto":
         if kernel not in cpu_packing.KERNELS:
-            raise SpecloomError(f"unknown linear kernel {kernel!r} (auto, {', '.join(cpu_packing.KERNELS)})")
+            raise SpecloomError(f"unknown linear kernel {kernel!r} (auto, ggml, {', '.join(cpu_packing.KERNELS)})")
         if not cpu_packing.kernel_available(kernel, dtype, dev):
             raise SpecloomError(f"linear kernel {kernel!r} cannot run {dt} weights on {dev} here (available: "
                                 f"{', '.join(candidates(dtype, dev))})")
@@ -299,7 +333,7 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
         return KernelChoice(kernel, kernel, why, dt, invariant=inv)
     if dev.type != "cpu":
         return KernelChoice("native", "native", f"{dev.type}: no CPU kernels", dt)
-    cands = candidates(dtype, dev)
+    cands = (["ggml"] if held else []) + candidates(dtype, dev)
     if len(cands) == 1 or dtype == torch.float32 or not hasattr(model, "new_kv"):
         # one exact kernel (fp32: native; int8 is opt-in only), or not a target model: nothing to choose
         inv = batch_invariant(model, "native") if dtype == torch.float32 and _groups(model) else None

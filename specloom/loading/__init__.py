@@ -210,6 +210,25 @@ def load_tokenizer(name: str) -> Tokenizer:
     return _tokenizer(source, load_config(source)[0])
 
 
+def _ships_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device, kernel: str) -> bool:
+    """Whether to hold a GGUF target's blocks as shipped: a bf16 (or fp16) model on a CPU where the GGML kernel
+    builds, with the kernel left to the choice (`auto`) or named (`ggml`; an error where it cannot run)."""
+    from ..models import ggml_linear
+
+    if kernel == "ggml":
+        why = ("the model is not a GGUF file" if source.kind != "gguf" else
+               f"it runs on the CPU, not {device.type}" if device.type != "cpu" else
+               "it runs bf16/fp16 activations (--dtype fp32 runs the dequantised reference)"
+               if dtype == torch.float32 else
+               f"the GGML kernel is unavailable here: {ggml_linear.unavailable_reason()}"
+               if not ggml_linear.available() else None)
+        if why is not None:
+            raise SpecloomError(f"linear kernel 'ggml' (GGUF weights as shipped) cannot run: {why}")
+        return True
+    return (kernel == "auto" and source.kind == "gguf" and device.type == "cpu" and dtype != torch.float32
+            and ggml_linear.available())
+
+
 def load_target(
     name: str, dtype: str | torch.dtype = "bf16", progress: bool = True, pack: bool = True,
     device: str | torch.device | None = "cpu", kernel: str = "auto", weights_resident: str | None = None,
@@ -222,7 +241,10 @@ def load_target(
     `cpu_packing.KERNELS`, forced for every pass); the choice is `model.kernel_choice`. `weights_resident`:
     "dequantized" (the default: quantized weights -- FP8, MXFP4, NVFP4, decided per module -- are dequantised
     into `dtype` at load) or "quantized" (held in their checkpoint format, dequantised on each forward); None reads
-    SPECLOOM_WEIGHTS_RESIDENT. `drafting`: what the drafter that will run is expected to do
+    SPECLOOM_WEIGHTS_RESIDENT; "auto" (the default) holds a bf16 GGUF target's blocks as shipped on a CPU where
+    the GGML kernel builds (models/ggml_linear.py), and the kernel choice keeps them when a whole step runs
+    faster that way (`kernel` "auto"; "ggml" keeps them whatever it costs, any other kernel name dequantises).
+    `drafting`: what the drafter that will run is expected to do
     (`host.kernel_choice.Drafting`), so "auto" picks the kernel for speculation rather than for plain decoding."""
     dt = parse_dtype(dtype)
     dev = parse_device(device)
@@ -237,7 +259,9 @@ def load_target(
         tensors, quant_config = gguf_raw_tensors(source.path, raw), None  # dequantized by the `gguf` format
     else:
         tensors, quant_config = _hf_dir_tensors(source.path), read_quant_config(raw, source.path)
-    resident = weights_resident or os.environ.get("SPECLOOM_WEIGHTS_RESIDENT") or "dequantized"
+    resident = weights_resident or os.environ.get("SPECLOOM_WEIGHTS_RESIDENT") or "auto"
+    if resident == "auto" or kernel == "ggml":
+        resident = "quantized" if _ships_blocks(source, dt, dev, kernel) else "dequantized"
     state, plan = load_state_dict(config, tensors, dt, quant_config=quant_config, device=dev, progress=progress,
                                   resident=resident)
     model = build_model(config, state, device=dev)
@@ -250,6 +274,10 @@ def load_target(
         choice = kernel_choice(model, kernel, dev, log=(lambda m: print(f"specloom: {m}", file=sys.stderr,
                                                                         flush=True)) if progress else None,
                                drafting=drafting)
+        if choice.single != "ggml":
+            from ..models.ggml_linear import dequantize_held
+
+            dequantize_held(model)
         apply_kernels(model, plan, device=dev, choice=choice)
         model.kernel_choice = choice
     tokenizer = _tokenizer(source, config)

@@ -53,9 +53,10 @@ from ..errors import SpecloomError
 from ..models import cpu_packing
 from ..models.cpu_packing import dense_kernel, replace_linears
 from .fp8 import FP8Format
-from .gguf_file import GGUFTensor, dequantize_gguf, gguf_dequantizable
+from .gguf_file import GGUFTensor, dequantize_gguf, gguf_blocks, gguf_dequantizable
 from .mxfp4 import MXFP4Format
 from .nvfp4 import NVFP4Format
+from .quant_base import Quantized
 from .quant_config import DENSE, as_quant_config
 
 # A module's tensors under their short names ("weight", "bias", "weight_scale_inv", ...): torch tensors for
@@ -99,6 +100,10 @@ class DenseFormat:
 
 
 class GGUFFormat:
+    """GGUF tensors: dequantized at load, or -- `weights_resident="quantized"`, the default for a GGUF target on
+    a CPU where the kernel builds and runs faster -- held as shipped: a `GGMLLinear` / `GGMLEmbedding`
+    (models/ggml_linear.py) computes from the blocks."""
+
     name = "gguf"
     dense = True
     description = "GGUF tensors of a GGML type the `gguf` package dequantizes (dequantized at load)"
@@ -110,11 +115,71 @@ class GGUFFormat:
             and all(isinstance(t, GGUFTensor) and gguf_dequantizable(t.type_name) for t in tensors.values())
         )
 
-    def load(self, module, tensors, dtype, device="cpu"):
+    def load(self, module, tensors, dtype, device="cpu", quant_config=None):
         return {k: dequantize_gguf(t).to(device=device, dtype=dtype) for k, t in tensors.items()}
 
     def kernel(self, linear, device):
         return dense_kernel(linear, device)  # dequantized: a dense weight
+
+    # -- held as shipped ---------------------------------------------------------------------------------------
+
+    def holds(self, tensors: Tensors) -> bool:
+        """A weight of a GGML type the kernel runs, on a host where it builds."""
+        from ..models import ggml_linear
+
+        w = tensors.get("weight")
+        return isinstance(w, GGUFTensor) and ggml_linear.has_kernel(w.type_name) and ggml_linear.available()
+
+    def not_held(self, tensors: Tensors) -> str | None:
+        """Why a quantized tensor is dequantised at load although blocks were asked for (None: it is held, or it
+        is a plain F32/F16/BF16 tensor)."""
+        from ..models import ggml_linear
+
+        w = tensors.get("weight")
+        if not isinstance(w, GGUFTensor) or w.type_name in ("F32", "F16", "BF16", "F64"):
+            return None
+        if not ggml_linear.has_kernel(w.type_name):
+            return f"GGUF type {w.type_name} has no GGML block kernel (kernels: {', '.join(ggml_linear.KERNEL_TYPES)})"
+        if not ggml_linear.available():
+            return f"the GGML block kernel is unavailable ({ggml_linear.unavailable_reason()})"
+        return None
+
+    def load_quantized(self, module, tensors, dtype, device="cpu", quant_config=None) -> Quantized:
+        from ..models.ggml_linear import KERNEL_TYPES
+
+        blocks, k = gguf_blocks(tensors["weight"])
+        return Quantized(self.name, {"blocks0": blocks.to(device)},
+                         {"types": [KERNEL_TYPES[tensors["weight"].type_name]], "in_features": k,
+                          "rows": blocks.shape[0]}, self)
+
+    def cat(self, parts: list[Quantized], name: str) -> Quantized:
+        """Projections fused into one linear (q/k/v, gate/up): their blocks stacked, a segment per type run."""
+        if any(p.meta["in_features"] != parts[0].meta["in_features"] for p in parts):
+            raise SpecloomError(f"malformed checkpoint: the parts of {name} have different input sizes")
+        segs: list[tuple[torch.Tensor, int]] = []
+        for p in parts:
+            for i, t in enumerate(p.meta["types"]):
+                w = p.q[f"blocks{i}"]
+                if segs and segs[-1][1] == t:
+                    segs[-1] = (torch.cat([segs[-1][0], w]), t)
+                else:
+                    segs.append((w, t))
+        return Quantized(self.name, {f"blocks{i}": w for i, (w, _) in enumerate(segs)},
+                         {"types": [t for _, t in segs], "in_features": parts[0].meta["in_features"],
+                          "rows": sum(w.shape[0] for w, _ in segs)}, self)
+
+    def module(self, qz: Quantized, dtype: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
+        from ..models.ggml_linear import GGMLLinear
+
+        parts = [(qz.q[f"blocks{i}"], t) for i, t in enumerate(qz.meta["types"])]
+        return GGMLLinear(parts, qz.meta["in_features"], dtype, bias)
+
+    def embedding(self, qz: Quantized, dtype: torch.dtype) -> nn.Module:
+        from ..models.ggml_linear import GGMLEmbedding
+
+        if len(qz.meta["types"]) != 1:
+            raise SpecloomError("malformed checkpoint: an embedding stored in several GGML types")
+        return GGMLEmbedding(qz.q["blocks0"], qz.meta["types"][0], qz.meta["in_features"], dtype)
 
 
 FORMATS: dict[str, WeightFormat] = {}

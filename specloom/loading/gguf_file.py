@@ -215,6 +215,22 @@ def dequantize_gguf(t: GGUFTensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
+def gguf_blocks(t: GGUFTensor) -> tuple[torch.Tensor, int]:
+    """A quantized 2-D `GGUFTensor` as shipped: (uint8 blocks (rows, bytes per row), weights per row), rows in
+    HF's order (a row permutation such as the q/k unpermute moves whole rows of blocks)."""
+    raw = t.tensor
+    dims = [int(x) for x in raw.shape.tolist()]
+    if len(dims) != 2:
+        raise SpecloomError(f"{t.name}: a {len(dims)}-D GGUF tensor cannot be held as a linear's blocks")
+    arr = np.asarray(raw.data)
+    if arr.ndim != 2 or arr.shape[0] != dims[1]:
+        raise SpecloomError(f"{t.name}: GGUF {raw.tensor_type.name} data of shape {list(arr.shape)} does not hold "
+                            f"{dims[1]} rows of {dims[0]} weights (truncated or malformed)")
+    if t.fix is not None:
+        arr = t.fix(arr)
+    return torch.from_numpy(np.array(arr, dtype=np.uint8, order="C", copy=True)), dims[0]
+
+
 def gguf_dequantizable(type_name_or_type) -> bool:
     """Whether the installed `gguf` package can dequantize this GGML type."""
     from gguf import GGMLQuantizationType

@@ -71,6 +71,10 @@ class QuantFormat:
     def matches(self, module, tensors, quant_config=None) -> bool:
         return self.problems(module, tensors, params_for(quant_config, module)) == []
 
+    def holds(self, tensors) -> bool:
+        """Whether a linear of these tensors can be held in this format (`weights_resident="quantized"`)."""
+        return True
+
     def load(self, module, tensors, dtype, device="cpu", quant_config=None) -> dict[str, torch.Tensor]:
         q, meta = self.pack(module, tensors, params_for(quant_config, module))
         out = {"weight": self.dequantize(q, meta).to(device=device, dtype=dtype)}
@@ -112,6 +116,8 @@ class Quantized:
 
         if len(parts) == 1:
             return parts[0]
+        if hasattr(parts[0].format, "cat"):  # a format whose parts may differ (GGUF: a type per projection)
+            return parts[0].format.cat(parts, name)
         if any(p.meta != parts[0].meta or set(p.q) != set(parts[0].q) for p in parts):
             raise SpecloomError(f"malformed checkpoint: the parts of {name} are quantized with different group "
                                 f"sizes or tensors ({[p.meta for p in parts]}) but run as one linear")
@@ -120,9 +126,13 @@ class Quantized:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return int(next(iter(self.q.values())).shape[0]), int(self.meta["in_features"])
+        rows = self.meta.get("rows") or next(iter(self.q.values())).shape[0]
+        return int(rows), int(self.meta["in_features"])
 
-    def module(self, dtype: torch.dtype, bias: torch.Tensor | None = None) -> QuantLinear:
+    def module(self, dtype: torch.dtype, bias: torch.Tensor | None = None) -> nn.Module:
+        """The module that runs it: the format's own kernel (`format.module`), else a `QuantLinear`."""
+        if hasattr(self.format, "module"):
+            return self.format.module(self, dtype, bias)
         return QuantLinear(self, dtype, bias)
 
 

@@ -85,6 +85,7 @@ def load_state_dict(
     offset = config.family_spec.norm_weight_offset
     sd: dict[str, torch.Tensor] = {}
     fmt_of: dict[str, str] = {}
+    unheld: dict[str, list[str]] = {}  # why -> modules dequantised although blocks were asked for
     for module, tensors in tqdm(modules.items(), desc="loading weights", unit="module", disable=not progress,
                                 leave=False):
         for key in PLAIN_TENSORS & set(tensors):  # no linear's tensor: loaded as it is (MoE selection bias)
@@ -95,7 +96,7 @@ def load_state_dict(
         fmt_of[module] = fmt.name
         # a folded norm is loaded in fp32 and rounded to `dtype` once, after the fold
         load_dtype = torch.float32 if offset and module.endswith("norm") else dtype
-        for key, t in _load(fmt, module, tensors, load_dtype, device, qc, seen, held, linears).items():
+        for key, t in _load(fmt, module, tensors, load_dtype, device, qc, seen, held, linears, unheld).items():
             sd[f"{module}.{key}" if module else key] = t
     out: dict[str, torch.Tensor] = {}
     plan: dict[str, str] = {}
@@ -138,6 +139,9 @@ def load_state_dict(
             t = t.float() + offset  # e.g. Gemma's RMSNorm multiplies by (1 + w)
         out[name] = t.to(dtype)
     _hold(out, held)
+    for why, mods in unheld.items():
+        print(f"specloom: {why}: {len(mods)} tensor(s) ({mods[0]}{', ...' if len(mods) > 1 else ''}) dequantised to "
+              f"{str(dtype).replace('torch.', '')} at load instead", file=sys.stderr, flush=True)
     return out, plan
 
 
@@ -173,18 +177,25 @@ def _linears(config: ModelConfig) -> set[str]:
     return out - {"lm_head"} if config.tie_word_embeddings else out
 
 
-def _load(fmt, module, tensors, dtype, device, qc, seen, held, linears) -> dict[str, torch.Tensor]:
-    """The module's parameters as the loader fuses them. A linear held quantized gets a meta placeholder for
-    its weight (the fusions concatenate those as they do dense ones; `_hold` swaps in the `Quantized`)."""
+def _load(fmt, module, tensors, dtype, device, qc, seen, held, linears, unheld) -> dict[str, torch.Tensor]:
+    """The module's parameters as the loader fuses them. A linear (or an embedding whose format has a kernel for
+    one) held quantized gets a meta placeholder for its weight (the fusions concatenate those as they do dense
+    ones; `_hold` swaps in the `Quantized`)."""
     name = seen.get(module, module)
-    if not getattr(fmt, "quantized", False):
-        return fmt.load(module, tensors, dtype, device)
-    if _fused_name(module) not in linears:
-        return fmt.load(name, tensors, dtype, device, quant_config=qc)
+    quantized = getattr(fmt, "quantized", False)
+    wanted = _fused_name(module) in linears or (module == "embed_tokens" and bool(linears) and hasattr(fmt, "embedding"))
+    holdable = wanted and hasattr(fmt, "load_quantized") and fmt.holds(tensors)
+    if wanted and not holdable and hasattr(fmt, "not_held") and (why := fmt.not_held(tensors)):
+        unheld.setdefault(why, []).append(module)
+    if not holdable:
+        return fmt.load(name, tensors, dtype, device, quant_config=qc) if quantized else \
+            fmt.load(module, tensors, dtype, device)
     qz = held[module] = fmt.load_quantized(name, tensors, dtype, device, qc)
     out = {"weight": torch.empty(qz.shape, dtype=dtype, device="meta")}
     if "bias" in tensors:
-        out["bias"] = tensors["bias"].to(device=device, dtype=dtype)
+        b = tensors["bias"]
+        out["bias"] = (fmt.load(module, {"weight": b}, dtype, device)["weight"] if not isinstance(b, torch.Tensor)
+                       else b.to(device=device, dtype=dtype))
     return out
 
 
@@ -210,6 +221,11 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
         model = cls(config)  # shapes only: nothing is allocated before the checkpoint matches them
     held = {k[: -len(".weight")]: v for k, v in state.items() if isinstance(v, Quantized)}
     state, bias = dict(state), {}
+    compute = next((t.dtype for k, t in state.items() if k.endswith("norm.weight") and isinstance(t, torch.Tensor)),
+                   torch.float32)
+    embed = held.pop("embed_tokens", None)  # an embedding held as shipped (GGUF): its format's module
+    if embed is not None:
+        del state["embed_tokens.weight"]
     named = dict(model.named_modules())
     for name, qz in held.items():
         linear = named.get(name)
@@ -228,6 +244,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
     expected = set(model.state_dict())
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
+    if embed is not None:
+        expected.discard("embed_tokens.weight")
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
     if missing:
@@ -242,9 +260,14 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
             )
     model.to_empty(device=device)
     model.load_state_dict(state, strict=False, assign=True)
-    if config.tie_word_embeddings:
+    if embed is not None:
+        model.embed_tokens = embed.format.embedding(embed, compute)
+        if config.tie_word_embeddings:
+            model.lm_head = model.embed_tokens.head()  # the same blocks
+    elif config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    compute = state["embed_tokens.weight"].dtype if "embed_tokens.weight" in state else torch.float32
+    if "embed_tokens.weight" in state:
+        compute = state["embed_tokens.weight"].dtype
     for name, qz in held.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qz.module(compute, bias.get(name)))

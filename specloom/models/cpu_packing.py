@@ -151,9 +151,12 @@ class RowSplitLinear(nn.Module):
 
 
 def build_kernel(name: str, linear: nn.Linear) -> nn.Module:
-    """The module that runs `linear` with kernel `name` (`native`: the linear itself)."""
+    """The module that runs `linear` with kernel `name` (`native`: the linear itself; `ggml` runs the weights a
+    GGUF ships as blocks (models/ggml_linear.py); a dense linear beside them gets the default dense kernel)."""
     if name == "native":
         return linear
+    if name == "ggml":
+        return dense_kernel(linear)
     if name == "invariant":
         from .invariant_linear import InvariantLinear
 

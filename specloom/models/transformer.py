@@ -78,11 +78,12 @@ class DecoderLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        e = self.embed_tokens  # an nn.Embedding, or one held as shipped (models/ggml_linear.py: its `dtype`)
+        return e.weight.dtype if isinstance(e, nn.Embedding) else e.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def new_kv(self, max_len: int, dtype: torch.dtype | None = None, batch: int = 1,
                active: int | None = None) -> KVCache:

@@ -1,0 +1,234 @@
+"""GGUF weights held as shipped: linears and embeddings that compute from the GGML blocks themselves.
+
+A GGUF target's weights are blocks (SmolLM2: Q4_1, a Q8_0 embedding/head; Gemma-3 and Qwen2.5-Coder Q4_K_M:
+Q4_K, Q6_K, Q5_0, Q8_0). Dequantising them to bf16 triples the bytes a decode step reads and rounds every weight
+(Q4_1's w = d*q + m with fp16 d and m has more bits than bf16 keeps). `GGMLLinear` keeps the blocks and runs the
+batch-invariant kernel kernels/ggml_linear.c: each weight dequantised to fp32 exactly as the `gguf` package
+computes it, fp32 accumulation in a fixed order, so a row alone and the same row inside a verification pass give
+the same bits (speculative output = plain output) and the products are those of the published weights.
+
+Types with a kernel: `KERNEL_TYPES` (the AVX-512 path runs Q4_0, Q4_1, Q5_0, Q8_0, Q4_K and Q6_K from registers;
+Q5_1 and Q5_K, and every type on an AVX2-only host, go through a scalar dequantisation into a buffer: correct,
+slower). Any other GGML type is dequantised at load (the loader says which, once).
+
+`GGMLEmbedding` gathers rows from the same blocks (a tied head and embedding share one copy).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+from torch import nn
+
+from .native import load_kernel
+
+# GGML type ids (ggml.h) the kernel knows, by name
+KERNEL_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+_BLOCK = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144), 13: (256, 176),
+          14: (256, 210)}
+
+_state: dict = {}
+_rows_state: dict = {}
+
+
+def _self_check(fn) -> str | None:
+    """Random Q4_1 and Q8_0 weights: the kernel against F.linear on its own dequantisation (fp64), and a row
+    alone against the same row in a 7-row pass, bit for bit."""
+    g = np.random.default_rng(0)
+    for t, (blk, size) in ((3, _BLOCK[3]), (8, _BLOCK[8])):
+        n, k = 37, 2 * blk
+        raw = g.integers(0, 256, (n, k // blk, size), dtype=np.uint8)
+        scales = (g.random((n, k // blk, 2)) * 0.1).astype(np.float16).view(np.uint8)
+        raw[:, :, :4] = scales.reshape(n, k // blk, 4)
+        if t == 8:
+            raw[:, :, 2:4] = g.integers(0, 256, (n, k // blk, 2), dtype=np.uint8)  # codes, not a second scale
+        w = torch.from_numpy(raw.reshape(n, -1).copy())
+        x = torch.randn(7, k, generator=torch.Generator().manual_seed(0))
+        y = _call(fn, x, [(w, t)], torch.float32)
+        dense = dequantize(w, t, k).double()
+        ref = (x.double() @ dense.T).float()
+        if not torch.allclose(y, ref, atol=1e-4, rtol=1e-4):
+            return f"self-check: max error {(y - ref).abs().max().item():.2e}"
+        if not all(torch.equal(_call(fn, x[i:i + 1], [(w, t)], torch.float32)[0], y[i]) for i in range(7)):
+            return "self-check: a row alone differs from the same row in a batch"
+    return None
+
+
+def _load():
+    P, L, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return load_kernel(_state, "ggml_linear.c", "ggml_linear", [P, I, P, I, L, P, I, L, L, L, L, I, I], _self_check)
+
+
+def _rows_check(fn) -> str | None:
+    """One Q8_0 row: codes times the fp16 scale."""
+    raw = np.zeros((1, 34), dtype=np.uint8)
+    raw[0, :2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    raw[0, 2:] = np.arange(-16, 16, dtype=np.int8).view(np.uint8)
+    w, ids, out = torch.from_numpy(raw), torch.zeros(1, dtype=torch.int64), torch.empty(1, 32)
+    fn(w.data_ptr(), 8, 34, ids.data_ptr(), 1, out.data_ptr(), 32)
+    return None if torch.equal(out[0], torch.arange(-16, 16).float() * 0.5) else "self-check: ggml_rows is wrong"
+
+
+def _rows_fn():
+    P, L, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    return load_kernel(_rows_state, "ggml_linear.c", "ggml_rows", [P, I, L, P, L, P, L], _rows_check)
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _state.get("why")
+
+
+def has_kernel(type_name: str) -> bool:
+    return type_name in KERNEL_TYPES
+
+
+FORCE_AVX2 = False  # tests: run the AVX2 path on an AVX-512 host (the same bits, by construction)
+
+
+def _call(fn, x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], out_dtype: torch.dtype) -> torch.Tensor:
+    """y (M, sum of the parts' rows) in `out_dtype` (fp32 or bf16) for x (M, K) fp32 or bf16, contiguous."""
+    m, k = x.shape
+    n = sum(w.shape[0] for w, _ in parts)
+    y = torch.empty(m, n, dtype=out_dtype)
+    es, at = y.element_size(), 0
+    for w, t in parts:
+        rc = fn(x.data_ptr(), int(x.dtype == torch.bfloat16), w.data_ptr(), t, w.shape[1], y.data_ptr() + at * es,
+                int(out_dtype == torch.bfloat16), n, m, w.shape[0], k, torch.get_num_threads(), int(FORCE_AVX2))
+        if rc == -2:
+            raise MemoryError("ggml linear kernel: could not allocate its buffers")
+        if rc != 0:
+            raise ValueError(f"ggml linear kernel: GGML type {t} with rows of {w.shape[1]} bytes does not fit K={k}")
+        at += w.shape[0]
+    return y
+
+
+def dequantize(blocks: torch.Tensor, type_id: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 weights (len(rows) or all, K) from the blocks: the kernel's own dequantisation (= the gguf
+    package's, bit for bit)."""
+    fn = _rows_fn()
+    if fn is None:
+        raise RuntimeError(f"the GGML kernel is unavailable: {unavailable_reason()}")
+    ids = (torch.arange(blocks.shape[0]) if rows is None else rows).reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), k, dtype=torch.float32)
+    if fn(blocks.data_ptr(), type_id, blocks.shape[1], ids.data_ptr(), ids.numel(), out.data_ptr(), k) != 0:
+        raise ValueError(f"GGML type {type_id}: rows of {blocks.shape[1]} bytes do not hold {k} weights")
+    return out
+
+
+class GGMLLinear(nn.Module):
+    """An `nn.Linear` stand-in over GGML blocks: `parts` are (blocks uint8 (rows, bytes per row), GGML type id)
+    stacked along the output dimension (a fused q/k/v may mix types: Gemma's v is Q8_0 where q and k are Q5_0).
+    `weight` dequantises on demand (for readers such as a fingerprint or a trainer; the forward never does)."""
+
+    kernel = "ggml"
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        fn = _load()
+        if fn is None:
+            raise RuntimeError(f"the GGML kernel is unavailable: {unavailable_reason()}")
+        self._fn = fn
+        self.types = [t for _, t in parts]
+        for i, (w, _) in enumerate(parts):
+            self.register_buffer(f"blocks{i}", w.contiguous(), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.in_features = in_features
+        self.out_features = sum(w.shape[0] for w, _ in parts)
+        self.dtype = dtype
+
+    @property
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        return [(getattr(self, f"blocks{i}"), t) for i, t in enumerate(self.types)]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([dequantize(w, t, self.in_features) for w, t in self.parts]).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.numel() for w, _ in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype not in (torch.bfloat16, torch.float32):
+            x2 = x2.float()
+        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        y = _call(self._fn, x2.contiguous(), self.parts, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        names = {v: k for k, v in KERNEL_TYPES.items()}
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{'+'.join(names[t] for t in self.types)}")
+
+
+class GGMLEmbedding(nn.Module):
+    """An `nn.Embedding` stand-in over GGML blocks (one type); rows dequantised as they are looked up."""
+
+    def __init__(self, blocks: torch.Tensor, type_id: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.type_id, self.embedding_dim, self.num_embeddings, self.dtype = type_id, dim, blocks.shape[0], dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.type_id, self.embedding_dim).to(self.dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.blocks, self.type_id, self.embedding_dim, ids.cpu())
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def head(self) -> GGMLLinear:
+        """The tied LM head over the same blocks (no copy)."""
+        return GGMLLinear([(self.blocks, self.type_id)], self.embedding_dim, self.dtype)
+
+
+def held_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's modules that compute from GGML blocks."""
+    return [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]
+
+
+def dense_linear(m: GGMLLinear) -> nn.Linear:
+    """An `nn.Linear` with `m`'s weights dequantised into its compute dtype (what `--linear-kernel` names other
+    than ggml run)."""
+    with torch.device("meta"):
+        lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+    lin.weight = nn.Parameter(m.weight, requires_grad=False)
+    if m.bias is not None:
+        lin.bias = nn.Parameter(m.bias.to(m.dtype), requires_grad=False)
+    return lin
+
+
+def dequantize_held(model: nn.Module) -> int:
+    """Replace every module held as shipped by its dense counterpart (weights dequantised into the compute
+    dtype; a tied head shares the embedding's weight again). Returns how many were replaced."""
+    count, embed = 0, getattr(model, "embed_tokens", None)
+    tied = isinstance(embed, GGMLEmbedding) and isinstance(getattr(model, "lm_head", None), GGMLLinear) and \
+        model.lm_head.blocks0.data_ptr() == embed.blocks.data_ptr()
+    for prefix, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, GGMLLinear) and not (tied and child is model.lm_head):
+                setattr(parent, name, dense_linear(child))
+                count += 1
+            elif isinstance(child, GGMLEmbedding):
+                e = nn.Embedding(child.num_embeddings, child.embedding_dim, device="meta")
+                e.weight = nn.Parameter(child.weight, requires_grad=False)
+                setattr(parent, name, e)
+                count += 1
+    if tied:
+        head = nn.Linear(model.embed_tokens.embedding_dim, model.embed_tokens.num_embeddings, bias=False,
+                         device="meta")
+        head.weight = model.embed_tokens.weight
+        model.lm_head = head
+        count += 1
+    return count

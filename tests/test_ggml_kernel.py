@@ -1,0 +1,313 @@
+"""GGUF weights held as shipped (issue 37): the GGML block kernel (models/kernels/ggml_linear.c) against the
+`gguf` package, bit for bit where it should be; batch-invariant (a row alone = the same row in a 9- and a 16-row
+pass) on both its AVX-512 and AVX2 paths, which give the same bits; every drafter kind's greedy output equal to
+plain decoding on a bf16 target whose linears run the kernel; a tiny GGUF written here loads as shipped; a real
+SmolLM2 loads as shipped and speculates exactly; bad input is named."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from specloom import Engine
+from specloom.errors import SpecloomError
+from specloom.models import ggml_linear
+from specloom.speculative import SpeculativeConfig
+
+pytestmark = pytest.mark.skipif(not ggml_linear.available(),
+                                reason=f"GGML kernel unavailable: {ggml_linear.unavailable_reason()}")
+
+BLOCKWISE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # the gguf package quantizes these
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # it only dequantizes these: random blocks with sane scales
+
+
+def _blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    import gguf
+
+    t = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name in BLOCKWISE:
+        return gguf.quants.quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.2, t)
+    blk, size = gguf.GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, (n, k // blk, size), dtype=np.uint8)
+    small = lambda m: (rng.random((n, k // blk, m)) * 0.01).astype(np.float16).view(np.uint8)  # noqa: E731
+    if type_name == "Q6_K":
+        raw[:, :, 208:210] = small(1)
+    else:
+        raw[:, :, 0:4] = small(2)
+    return raw.reshape(n, -1)
+
+
+def _reference(raw: np.ndarray, type_name: str, k: int) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(-1, k))
+
+
+@pytest.fixture
+def both_paths():
+    yield
+    ggml_linear.FORCE_AVX2 = False
+
+
+@pytest.mark.parametrize("type_name", BLOCKWISE + K_QUANTS)
+def test_dequantisation_is_the_gguf_packages_bit_for_bit(type_name):
+    k = 512
+    raw = _blocks(type_name, 24, k)
+    ours = ggml_linear.dequantize(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES[type_name], k)
+    assert torch.equal(ours, _reference(raw, type_name, k).float())
+
+
+@pytest.mark.parametrize("type_name", BLOCKWISE + K_QUANTS)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_products_right_and_batch_invariant_on_both_paths(type_name, act, both_paths):
+    n, k = 45, 512  # 45 rows: a last block of weight rows that is not full
+    raw = _blocks(type_name, n, k, seed=1)
+    w = ggml_linear.GGMLLinear([(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES[type_name])], k, act)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(2)).to(act)  # 37: more than one 32-row tile
+    ref = (x.double() @ _reference(raw, type_name, k).double().T)
+    outs = {}
+    for force in (False, True):
+        ggml_linear.FORCE_AVX2 = force
+        y = w(x)
+        assert y.dtype == act
+        tol = 1e-4 if act == torch.float32 else 1e-2
+        assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+        for rows in (1, 2, 9, 16):
+            part = w(x[:rows])
+            assert torch.equal(part, y[:rows]), f"{rows}-row pass differs from the same rows in a 37-row pass"
+        assert all(torch.equal(w(x[i:i + 1])[0], y[i]) for i in (0, 5, 8, 15, 36))
+        outs[force] = y
+    assert torch.equal(outs[False], outs[True]), "the AVX2 path rounds differently from the AVX-512 path"
+
+
+def test_mixed_types_in_one_fused_linear():
+    """Gemma's q and k are Q5_0 where v is Q8_0: one linear over both, each segment its own type."""
+    k = 256
+    parts = [(_blocks("Q5_0", 40, k, 3), "Q5_0"), (_blocks("Q8_0", 8, k, 4), "Q8_0")]
+    w = ggml_linear.GGMLLinear([(torch.from_numpy(r.copy()), ggml_linear.KERNEL_TYPES[t]) for r, t in parts], k,
+                               torch.float32)
+    dense = torch.cat([_reference(r, t, k) for r, t in parts])
+    x = torch.randn(3, k)
+    assert torch.allclose(w(x), x @ dense.T, atol=1e-4)
+    assert torch.equal(w.weight, dense)
+
+
+def test_a_kernel_refuses_rows_that_do_not_fit():
+    raw = torch.from_numpy(_blocks("Q4_1", 4, 64).copy())
+    w = ggml_linear.GGMLLinear([(raw[:, :30].contiguous(), ggml_linear.KERNEL_TYPES["Q4_1"])], 64, torch.float32)
+    with pytest.raises(ValueError, match="does not fit"):
+        w(torch.randn(1, 64))
+
+
+# -- every drafter kind on a target whose linears run the kernel ---------------------------------------------------
+
+TYPES = {"qkv_proj": "Q4_1", "o_proj": "Q5_0", "gate_up_proj": "Q8_0", "down_proj": "Q4_0", "lm_head": "Q8_0"}
+
+
+def as_shipped(model, dtype=torch.bfloat16):
+    """A copy of `model` in `dtype` whose linears hold GGML blocks quantized from its weights."""
+    import gguf
+
+    m = copy.deepcopy(model).to(dtype)
+    for prefix, parent in list(m.named_modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and name in TYPES:
+                t = TYPES[name]
+                raw = gguf.quants.quantize(child.weight.detach().float().numpy(), gguf.GGMLQuantizationType[t])
+                setattr(parent, name, ggml_linear.GGMLLinear(
+                    [(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES[t])], child.in_features, dtype))
+    return m
+
+
+KINDS = ["ngram", "suffix", "self_draft", "draft_model_tree", "eagle", "eagle_tree", "eagle3", "medusa", "dflash",
+         "dspark", "mtp"]
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [9, 200, 9, 200, 17]]
+N = 24
+
+
+@pytest.fixture(scope="module")
+def targets(kinds):
+    t, (mtp_model, mtp_tok), specs = kinds
+    return as_shipped(t.model), as_shipped(mtp_model), specs
+
+
+from test_kv_types import kinds  # noqa: E402,F401  (fixture: a spec for every drafter kind on the tiny target)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_drafter_exact_with_the_kernel_in_bf16(kinds, targets, kind):
+    t, (_, mtp_tok), _ = kinds
+    model, mtp_model, specs = targets
+    assert any(isinstance(m, ggml_linear.GGMLLinear) for m in model.modules())
+    target, tok = (mtp_model, mtp_tok) if kind == "mtp" else (model, t.tokenizer)
+    want = [Engine(target, tok).generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids
+            for p in PROMPTS]
+    with _quiet():
+        e = Engine(target, tok, SpeculativeConfig.parse(specs[kind]), speculation="fixed")
+    got = [e.generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True) for p in PROMPTS]
+    assert [r.token_ids for r in got] == want
+    if kind != "suffix":
+        assert sum(r.num_draft_tokens for r in got) > 0
+
+
+class _quiet:
+    """Drafters were saved for the fp32 original: the fingerprint warning (another copy) is expected here."""
+
+    def __enter__(self):
+        import warnings
+
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc):
+        return self._w.__exit__(*exc)
+
+
+# -- a tiny GGUF written here, loaded as shipped --------------------------------------------------------------------
+
+GGUF_TYPES = {"attn_q": "Q4_1", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
+              "ffn_up": "Q4_0", "ffn_down": "Q5_1"}
+
+
+def _write_gguf(hf, path: str, types=GGUF_TYPES, embed_type="Q8_0") -> None:
+    """A Llama GGUF of `hf`'s weights in `types`, no output.weight (the head tied to a quantized embedding)."""
+    import gguf
+    from test_formats import _llama_permute
+
+    c = hf.config
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_vocab_size(c.vocab_size)
+    sd = {k: v.numpy().astype(np.float32) for k, v in hf.state_dict().items()}
+
+    def add(name, arr, t):
+        if t in ("F32",):
+            w.add_tensor(name, arr)
+        elif t == "IQ4_NL":  # the gguf package cannot quantize it: random codes, a sane scale
+            raw = np.random.default_rng(0).integers(0, 256, (arr.shape[0], arr.shape[1] // 32, 18), dtype=np.uint8)
+            raw[:, :, :2] = np.full((arr.shape[0], arr.shape[1] // 32, 1), 0.01, np.float16).view(np.uint8)
+            raw = raw.reshape(arr.shape[0], -1)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        else:
+            q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[t])
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[t])
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"], embed_type)
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for i in range(c.num_hidden_layers):
+        for hf_name, g in names.items():
+            arr = sd[f"model.layers.{i}.{hf_name}.weight"]
+            if g == "attn_q":
+                arr = _llama_permute(arr, c.num_attention_heads)
+            elif g == "attn_k":
+                arr = _llama_permute(arr, c.num_key_value_heads)
+            add(f"blk.{i}.{g}.weight", arr, types.get(g, "F32"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _load_gguf(path, dtype, resident):
+    from specloom.loading.gguf_file import gguf_config, gguf_raw_tensors
+    from specloom.loading.weights import build_model, load_state_dict
+    from specloom.config import ModelConfig
+
+    cfg = gguf_config(path)
+    config = ModelConfig.from_hf(cfg)
+    state, plan = load_state_dict(config, gguf_raw_tensors(path, cfg), dtype, resident=resident)
+    return build_model(config, state), plan
+
+
+def test_tiny_gguf_as_shipped(tiny, tmp_path):
+    """Every linear and the tied embedding/head held as blocks (q/k unpermuted row-wise, a fused q/k/v of two
+    types); the logits those of the fp32 dequantised load to bf16 precision; speculation exact."""
+    t = tiny("llama")
+    path = str(tmp_path / "tiny-q.gguf")
+    _write_gguf(t.hf, path)
+    shipped, _ = _load_gguf(path, torch.bfloat16, "quantized")
+    ref, _ = _load_gguf(path, torch.float32, "dequantized")
+    assert isinstance(shipped.embed_tokens, ggml_linear.GGMLEmbedding)
+    assert isinstance(shipped.lm_head, ggml_linear.GGMLLinear)
+    assert shipped.lm_head.blocks0.data_ptr() == shipped.embed_tokens.blocks.data_ptr()  # one copy
+    qkv = shipped.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, ggml_linear.GGMLLinear) and len(qkv.types) == 2  # Q4_1 q/k, Q8_0 v
+    assert torch.equal(qkv.weight.float(), ref.layers[0].self_attn.qkv_proj.weight.bfloat16().float())
+    ids = torch.arange(4, 40)[None]
+    with torch.inference_mode():
+        a = shipped(ids, torch.arange(36)[None], shipped.new_kv(40)).logits
+        b = ref(ids, torch.arange(36)[None], ref.new_kv(40)).logits
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+    plain = Engine(shipped, t.tokenizer).generate(prompt_token_ids=[5, 6, 7, 8, 5, 6, 7, 8, 5], max_tokens=20,
+                                                 ignore_eos=True)
+    spec = Engine(shipped, t.tokenizer, SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3}),
+                  speculation="fixed").generate(prompt_token_ids=[5, 6, 7, 8, 5, 6, 7, 8, 5], max_tokens=20,
+                                                ignore_eos=True)
+    assert spec.token_ids == plain.token_ids and spec.num_draft_tokens > 0
+
+
+def test_a_gguf_type_without_a_kernel_is_named_and_dequantised(tiny, tmp_path, capfd):
+    t = tiny("llama")
+    path = str(tmp_path / "tiny-iq4.gguf")
+    _write_gguf(t.hf, path, {**GGUF_TYPES, "ffn_down": "IQ4_NL"})
+    model, _ = _load_gguf(path, torch.bfloat16, "quantized")
+    err = capfd.readouterr().err
+    assert "GGUF type IQ4_NL has no GGML block kernel" in err and "dequantised to bfloat16 at load" in err
+    assert err.count("IQ4_NL") == 1  # one line, not one per layer
+    assert type(model.layers[0].mlp.down_proj) is torch.nn.Linear
+    assert isinstance(model.layers[0].mlp.gate_up_proj, ggml_linear.GGMLLinear)
+
+
+def test_truncated_quantized_tensor_is_one_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    from specloom.loading import resolve
+
+    try:
+        src = resolve("smollm2-135m").path
+    except SpecloomError as e:
+        pytest.skip(str(e))
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(60_000_000))
+    r = subprocess.run([sys.executable, "-m", "specloom", "generate", str(cut), "--prompt", "hi", "--max-tokens",
+                        "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    assert "runs past the end of the file (truncated?)" in r.stderr
+
+
+@pytest.mark.real
+def test_real_smollm2_as_shipped_speculates_exactly():
+    from specloom.loading import load_target, resolve
+
+    try:
+        resolve("smollm2-135m")
+    except SpecloomError as e:
+        pytest.skip(str(e))
+    model, tok = load_target("smollm2-135m", "bf16", progress=False, kernel="ggml")
+    assert model.kernel_choice.single == "ggml" and model.kernel_choice.invariant
+    assert isinstance(model.layers[0].mlp.gate_up_proj, ggml_linear.GGMLLinear)
+    plain = Engine(model, tok)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4}, {"method": "eagle3", "suffix_decoding": True}):
+        engine = Engine(model, tok, SpeculativeConfig.parse(spec), speculation="fixed")
+        for p in ("Write a haiku about the sea.", "List three prime numbers and explain why they are prime."):
+            a = plain.generate(p, chat=True, max_tokens=40)
+            b = engine.generate(p, chat=True, max_tokens=40)
+            assert b.token_ids == a.token_ids, (spec, p)
+            assert b.num_target_passes < a.num_target_passes
