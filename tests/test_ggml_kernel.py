@@ -49,6 +49,11 @@ def _reference(raw: np.ndarray, type_name: str, k: int) -> torch.Tensor:
 def both_paths():
     yield
     ggml_linear.FORCE_AVX2 = False
+    ggml_linear.REPACK = True
+
+
+PATHS = ["blocks", pytest.param("repacked", marks=pytest.mark.skipif(
+    not ggml_linear.repacked_path(), reason="this CPU lacks AVX512-BF16: no repacked path"))]
 
 
 @pytest.mark.parametrize("type_name", BLOCKWISE + K_QUANTS)
@@ -61,10 +66,14 @@ def test_dequantisation_is_the_gguf_packages_bit_for_bit(type_name):
 
 @pytest.mark.parametrize("type_name", BLOCKWISE + K_QUANTS)
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_products_right_and_batch_invariant_on_both_paths(type_name, act, both_paths):
+def test_blocks_as_shipped_right_and_batch_invariant_on_both_isas(type_name, act, both_paths):
+    """The blocks as shipped (fp32 FMA path): products right, every row's bits independent of the pass, and the
+    AVX2 path (any AVX2 host) giving the AVX-512 path's bits."""
+    ggml_linear.REPACK = False
     n, k = 45, 512  # 45 rows: a last block of weight rows that is not full
     raw = _blocks(type_name, n, k, seed=1)
     w = ggml_linear.GGMLLinear([(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES[type_name])], k, act)
+    assert not w.repacked
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(2)).to(act)  # 37: more than one 32-row tile
     ref = (x.double() @ _reference(raw, type_name, k).double().T)
     outs = {}
@@ -74,12 +83,33 @@ def test_products_right_and_batch_invariant_on_both_paths(type_name, act, both_p
         assert y.dtype == act
         tol = 1e-4 if act == torch.float32 else 1e-2
         assert torch.allclose(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-        for rows in (1, 2, 9, 16):
-            part = w(x[:rows])
-            assert torch.equal(part, y[:rows]), f"{rows}-row pass differs from the same rows in a 37-row pass"
-        assert all(torch.equal(w(x[i:i + 1])[0], y[i]) for i in (0, 5, 8, 15, 36))
+        _assert_invariant(w, x, y)
         outs[force] = y
     assert torch.equal(outs[False], outs[True]), "the AVX2 path rounds differently from the AVX-512 path"
+
+
+def _assert_invariant(w, x, y):
+    for rows in (1, 2, 3, 4, 5, 9, 16):
+        assert torch.equal(w(x[:rows]), y[:rows]), f"a {rows}-row pass differs from the same rows in a bigger pass"
+    assert all(torch.equal(w(x[i:i + 1])[0], y[i]) for i in (0, 5, 8, 15, 36))
+
+
+@pytest.mark.skipif(not ggml_linear.repacked_path(), reason="this CPU lacks AVX512-BF16: no repacked path")
+@pytest.mark.parametrize("type_name", BLOCKWISE + K_QUANTS)
+def test_repacked_right_exact_weights_and_batch_invariant(type_name):
+    """bf16 on an AVX512-BF16 host: the weights repacked for bf16 dot products are still exactly the gguf
+    package's (d * code + m), the products right, every row's bits independent of the pass."""
+    n, k = 45, 512
+    raw = _blocks(type_name, n, k, seed=1)
+    w = ggml_linear.GGMLLinear([(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES[type_name])], k,
+                               torch.bfloat16)
+    assert w.repacked
+    assert torch.equal(w.ws[0].dense(), _reference(raw, type_name, k).float())
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ref = (x.double() @ _reference(raw, type_name, k).double().T)
+    y = w(x)
+    assert torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    _assert_invariant(w, x, y)
 
 
 def test_mixed_types_in_one_fused_linear():
@@ -243,7 +273,7 @@ def test_tiny_gguf_as_shipped(tiny, tmp_path):
     ref, _ = _load_gguf(path, torch.float32, "dequantized")
     assert isinstance(shipped.embed_tokens, ggml_linear.GGMLEmbedding)
     assert isinstance(shipped.lm_head, ggml_linear.GGMLLinear)
-    assert shipped.lm_head.blocks0.data_ptr() == shipped.embed_tokens.blocks.data_ptr()  # one copy
+    assert shipped.lm_head.storage_ptr() == shipped.embed_tokens.storage_ptr()  # one copy
     qkv = shipped.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, ggml_linear.GGMLLinear) and len(qkv.types) == 2  # Q4_1 q/k, Q8_0 v
     assert torch.equal(qkv.weight.float(), ref.layers[0].self_attn.qkv_proj.weight.bfloat16().float())

@@ -90,6 +90,7 @@ def has_kernel(type_name: str) -> bool:
 
 
 FORCE_AVX2 = False  # tests: run the AVX2 path on an AVX-512 host (the same bits, by construction)
+REPACK = True  # tests: False keeps the blocks as shipped on an AVX512-BF16 host too
 
 
 def _call(fn, x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], out_dtype: torch.dtype) -> torch.Tensor:
@@ -122,46 +123,180 @@ def dequantize(blocks: torch.Tensor, type_id: int, k: int, rows: torch.Tensor | 
     return out
 
 
-class GGMLLinear(nn.Module):
-    """An `nn.Linear` stand-in over GGML blocks: `parts` are (blocks uint8 (rows, bytes per row), GGML type id)
-    stacked along the output dimension (a fused q/k/v may mix types: Gemma's v is Q8_0 where q and k are Q5_0).
-    `weight` dequantises on demand (for readers such as a fingerprint or a trainer; the forward never does)."""
+# -- the repacked form (AVX512-BF16 hosts): codes side by side per 16 rows, bf16 dot products --------------------
 
-    kernel = "ggml"
+_v: dict = {}
 
-    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, dtype: torch.dtype,
-                 bias: torch.Tensor | None = None):
-        super().__init__()
-        fn = _load()
-        if fn is None:
-            raise RuntimeError(f"the GGML kernel is unavailable: {unavailable_reason()}")
-        self._fn = fn
-        self.types = [t for _, t in parts]
-        for i, (w, _) in enumerate(parts):
-            self.register_buffer(f"blocks{i}", w.contiguous(), persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
-        self.in_features = in_features
-        self.out_features = sum(w.shape[0] for w, _ in parts)
-        self.dtype = dtype
 
-    @property
-    def parts(self) -> list[tuple[torch.Tensor, int]]:
-        return [(getattr(self, f"blocks{i}"), t) for i, t in enumerate(self.types)]
+def _vfns():
+    """The repacked path's C functions, or None where this CPU lacks AVX512-BF16 (or the kernel is unavailable)."""
+    if not _v:
+        if _load() is None:
+            _v["fns"] = None
+        else:
+            from .native import _open, compiler
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return torch.cat([dequantize(w, t, self.in_features) for w, t in self.parts]).to(self.dtype)
+            lib = _open(compiler(), "ggml_linear.c")
+            P, L, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            sig = {"ggml_vsupported": [], "ggml_vsizes": [I, L, L, P, P], "ggml_vrepack": [I, P, L, L, L, P, P],
+                   "ggml_vrows": [I, P, P, L, P, L, P], "ggml_vlinear": [P, I, P, P, L, L, L, P, I, L, I]}
+            fns = {}
+            for name, args in sig.items():
+                f = getattr(lib, name)
+                f.restype, f.argtypes = I, args
+                fns[name] = f
+            _v["fns"] = fns if fns["ggml_vsupported"]() else None
+    return _v["fns"]
+
+
+def repacked_path() -> bool:
+    """Whether bf16 GGML weights run the repacked bf16-dot-product path here (AVX512-BF16)."""
+    return REPACK and _vfns() is not None
+
+
+class _Arena:
+    """Weight memory on 2 MB pages where the kernel allows it (madvise MADV_HUGEPAGE): a decode step streams the
+    whole model once, and on 4 KB pages every page boundary stalls the prefetchers and walks the page table.
+    Tensors are carved out of 64 MB chunks (each chunk lives while a tensor in it does)."""
+
+    CHUNK = 64 << 20
+
+    def __init__(self):
+        self.buf, self.used = None, 0
+
+    def take(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = max(64, -(-nbytes // 64) * 64)
+        if nbytes > self.CHUNK // 4:
+            return self._chunk(nbytes)[:nbytes].view(dtype)
+        if self.buf is None or self.used + nbytes > self.buf.numel():
+            self.buf, self.used = self._chunk(self.CHUNK), 0
+        out = self.buf[self.used:self.used + nbytes]
+        self.used += nbytes
+        return out.view(dtype)
+
+    @staticmethod
+    def _chunk(nbytes: int) -> torch.Tensor:
+        import mmap
+        import warnings
+
+        size = -(-nbytes // (2 << 20)) * (2 << 20)
+        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                m.madvise(mmap.MADV_HUGEPAGE)
+            except OSError:  # a kernel without transparent huge pages: 4 KB pages, slower but right
+                pass
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch.frombuffer on a writable mmap: fine)
+            return torch.frombuffer(m, dtype=torch.uint8)
+
+
+_arena = _Arena()
+
+
+class GGMLWeight:
+    """One weight of one GGML type, either as shipped (`blocks`: rows x bytes) or repacked for bf16 dot products
+    (`codes`, `scales`; see kernels/ggml_linear.c). `rows`/`k`: its shape."""
+
+    def __init__(self, blocks: torch.Tensor, type_id: int, k: int, repack: bool):
+        self.type_id, self.rows, self.k = type_id, blocks.shape[0], k
+        self.blocks = self.codes = self.scales = None
+        if repack:
+            f = _vfns()
+            cb, sf = ctypes.c_int64(), ctypes.c_int64()
+            if f["ggml_vsizes"](type_id, self.rows, k, ctypes.byref(cb), ctypes.byref(sf)) != 0:
+                raise ValueError(f"GGML type {type_id}: {k} weights per row cannot be repacked")
+            self.codes = _arena.take(cb.value, torch.uint8)
+            self.scales = _arena.take(4 * sf.value, torch.float32)
+            blocks = blocks.contiguous()
+            rc = f["ggml_vrepack"](type_id, blocks.data_ptr(), blocks.shape[1], self.rows, k, self.codes.data_ptr(),
+                                   self.scales.data_ptr())
+            if rc != 0:
+                raise ValueError(f"GGML type {type_id}: rows of {blocks.shape[1]} bytes do not hold {k} weights")
+        else:
+            self.blocks = blocks.contiguous()
 
     @property
     def nbytes(self) -> int:
-        return sum(w.numel() for w, _ in self.parts)
+        if self.blocks is not None:
+            return self.blocks.numel()
+        return self.codes.numel() + 4 * self.scales.numel()
+
+    def storage_ptr(self) -> int:
+        return (self.blocks if self.blocks is not None else self.codes).data_ptr()
+
+    def dense(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 weights (rows `ids`, or all): d * code + m, bit for bit the gguf package's dequantisation."""
+        if self.blocks is not None:
+            return dequantize(self.blocks, self.type_id, self.k, ids)
+        ids = (torch.arange(self.rows) if ids is None else ids).reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), self.k, dtype=torch.float32)
+        _vfns()["ggml_vrows"](self.type_id, self.codes.data_ptr(), self.scales.data_ptr(), self.k, ids.data_ptr(),
+                              ids.numel(), out.data_ptr())
+        return out
+
+    def matmul_into(self, x: torch.Tensor, y: torch.Tensor, col: int) -> None:
+        """y[:, col:col + rows] = x @ W^T (x (M, K) contiguous, bf16 for the repacked form)."""
+        m = x.shape[0]
+        es = y.element_size()
+        if self.blocks is None:
+            rc = _vfns()["ggml_vlinear"](x.data_ptr(), self.type_id, self.codes.data_ptr(), self.scales.data_ptr(),
+                                         m, self.rows, self.k, y.data_ptr() + col * es,
+                                         int(y.dtype == torch.bfloat16), y.shape[1], torch.get_num_threads())
+        else:
+            rc = _load()(x.data_ptr(), int(x.dtype == torch.bfloat16), self.blocks.data_ptr(), self.type_id,
+                         self.blocks.shape[1], y.data_ptr() + col * es, int(y.dtype == torch.bfloat16), y.shape[1],
+                         m, self.rows, self.k, torch.get_num_threads(), int(FORCE_AVX2))
+        if rc == -2:
+            raise MemoryError("ggml linear kernel: could not allocate its buffers")
+        if rc != 0:
+            raise ValueError(f"ggml linear kernel: GGML type {self.type_id} does not fit K={self.k} (code {rc})")
+
+
+class GGMLLinear(nn.Module):
+    """An `nn.Linear` stand-in over GGML weights: `parts` are (blocks uint8 (rows, bytes per row), GGML type id)
+    stacked along the output dimension (a fused q/k/v may mix types: Gemma's v is Q8_0 where q and k are Q5_0), or
+    `GGMLWeight`s. bf16 on an AVX512-BF16 host: repacked once for bf16 dot products; otherwise the blocks as
+    shipped. `weight` dequantises on demand (for readers such as a fingerprint or a trainer; the forward never
+    does)."""
+
+    kernel = "ggml"
+
+    def __init__(self, parts: list, in_features: int, dtype: torch.dtype, bias: torch.Tensor | None = None):
+        super().__init__()
+        if _load() is None:
+            raise RuntimeError(f"the GGML kernel is unavailable: {unavailable_reason()}")
+        repack = dtype == torch.bfloat16 and repacked_path()
+        self.ws = [p if isinstance(p, GGMLWeight) else GGMLWeight(p[0], p[1], in_features, repack) for p in parts]
+        self.types = [w.type_id for w in self.ws]
+        self.repacked = all(w.blocks is None for w in self.ws)
+        self.register_buffer("bias", bias, persistent=False)
+        self.in_features = in_features
+        self.out_features = sum(w.rows for w in self.ws)
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([w.dense() for w in self.ws]).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.ws)
+
+    def storage_ptr(self) -> int:
+        return self.ws[0].storage_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if x2.dtype not in (torch.bfloat16, torch.float32):
-            x2 = x2.float()
-        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
-        y = _call(self._fn, x2.contiguous(), self.parts, out)
+        want = torch.bfloat16 if self.repacked else (x2.dtype if x2.dtype in (torch.bfloat16, torch.float32)
+                                                     else torch.float32)
+        x2 = x2.to(want).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features,
+                        dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
+        col = 0
+        for w in self.ws:
+            w.matmul_into(x2, y, col)
+            col += w.rows
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
@@ -169,7 +304,7 @@ class GGMLLinear(nn.Module):
     def extra_repr(self) -> str:
         names = {v: k for k, v in KERNEL_TYPES.items()}
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{'+'.join(names[t] for t in self.types)}")
+                f"{'+'.join(names[t] for t in self.types)}{', repacked' if self.repacked else ''}")
 
 
 class GGMLEmbedding(nn.Module):
@@ -177,20 +312,22 @@ class GGMLEmbedding(nn.Module):
 
     def __init__(self, blocks: torch.Tensor, type_id: int, dim: int, dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.w = GGMLWeight(blocks, type_id, dim, dtype == torch.bfloat16 and repacked_path())
         self.type_id, self.embedding_dim, self.num_embeddings, self.dtype = type_id, dim, blocks.shape[0], dtype
 
     @property
     def weight(self) -> torch.Tensor:
-        return dequantize(self.blocks, self.type_id, self.embedding_dim).to(self.dtype)
+        return self.w.dense().to(self.dtype)
+
+    def storage_ptr(self) -> int:
+        return self.w.storage_ptr()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.blocks, self.type_id, self.embedding_dim, ids.cpu())
-        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return self.w.dense(ids.cpu()).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def head(self) -> GGMLLinear:
-        """The tied LM head over the same blocks (no copy)."""
-        return GGMLLinear([(self.blocks, self.type_id)], self.embedding_dim, self.dtype)
+        """The tied LM head over the same weights (no copy)."""
+        return GGMLLinear([self.w], self.embedding_dim, self.dtype)
 
 
 def held_modules(model: nn.Module) -> list[nn.Module]:
@@ -214,7 +351,7 @@ def dequantize_held(model: nn.Module) -> int:
     dtype; a tied head shares the embedding's weight again). Returns how many were replaced."""
     count, embed = 0, getattr(model, "embed_tokens", None)
     tied = isinstance(embed, GGMLEmbedding) and isinstance(getattr(model, "lm_head", None), GGMLLinear) and \
-        model.lm_head.blocks0.data_ptr() == embed.blocks.data_ptr()
+        model.lm_head.storage_ptr() == embed.storage_ptr()
     for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, GGMLLinear) and not (tied and child is model.lm_head):

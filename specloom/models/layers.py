@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, RopeScaling
-from . import invariant_attention
+from . import invariant_attention, layer_ops
 from .context import AttentionContext
 
 
@@ -27,9 +27,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layer_ops.usable(x):  # bf16 inference on a CPU: one C call (models/layer_ops.py)
+            return layer_ops.rms_norm(x, self._w32(), self.eps)
         # One fused op; for bf16 it normalises and scales in fp32 and rounds once.
         w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)  # (mixed precision training)
         return F.rms_norm(x, (x.shape[-1],), w, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + delta: the residual add and the next norm in one call where it can."""
+        if layer_ops.usable(x) and delta.dtype == x.dtype and delta.shape == x.shape:
+            return layer_ops.rms_norm(delta, self._w32(), self.eps, residual=x)
+        h = x + delta
+        return h, self(h)
+
+    def _w32(self) -> torch.Tensor:
+        """The weight in fp32 (the C norm's input), kept while the weight is unchanged."""
+        w = self.weight
+        key = (w.data_ptr(), w._version)
+        cached = getattr(self, "_w32_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, w.detach().float().contiguous())
+            self._w32_cache = cached
+        return cached[1]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -128,7 +147,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
         cos, sin = ctx.cos_sin[self.kind]
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
+        if self.q_norm is None and layer_ops.usable(qkv) and layer_ops.rope_(qkv, H + self.n_kv, cos, sin):
+            pass  # q and k heads rotated in place, in the projection's output (one C call)
+        else:
+            qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)  # (B, H, T, d), (B, H_kv, T, d)
         keys, values = ctx.kv.write(self.layer, k, v.transpose(1, 2))  # (B, H_kv, S, d)
         window = ctx.windows.get(self.kind)

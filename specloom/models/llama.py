@@ -22,8 +22,8 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp_for(config, layer)  # dense, or the MoE MLP where the config makes the layer sparse
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), ctx))
+        return x + self.mlp(h)
 
 
 @register_family("llama")

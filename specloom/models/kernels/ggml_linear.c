@@ -31,6 +31,7 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 
@@ -378,6 +379,68 @@ AVX512 static void deqv_any(int t, const uint8_t *row, float *o, int64_t K) {
     }
 }
 
+/* Several rows of x (a verification pass, a prefill tile of up to MT rows) against NB weight rows, the weights
+   dequantised KC at a time into an L1-sized buffer and the partial sums kept in `acc` (mt * NB registers' worth)
+   between chunks: each lane still sums its k in increasing order, so the bits are those of the fused path. */
+#define KC 128
+AVX512 static inline __attribute__((always_inline)) void chunked512(int t, const uint8_t *w, int64_t row_bytes,
+                                                                    int nb, const float *x, int64_t mt, int64_t K,
+                                                                    void *y, int y_bf16, int64_t ldy, int64_t n0,
+                                                                    float *wbuf, __m512 *acc) {
+    for (int64_t i = 0; i < mt * NB; i++) acc[i] = _mm512_setzero_ps();
+    for (int r = nb; r < NB; r++) memset(wbuf + r * KC, 0, KC * 4);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t kc = K - k0 < KC ? K - k0 : KC;
+        for (int r = 0; r < nb; r++)
+            for (int64_t u = k0 / 32; u < (k0 + kc) / 32; u++) {
+                __m512 lo, hi;
+                unit512(t, w + (n0 + r) * row_bytes, u, &lo, &hi);
+                _mm512_store_ps(wbuf + r * KC + (u * 32 - k0), lo);
+                _mm512_store_ps(wbuf + r * KC + (u * 32 - k0) + 16, hi);
+            }
+        int64_t m = 0;
+        for (; m + 4 <= mt; m += 4)
+            for (int r0 = 0; r0 < nb; r0 += 4) {
+                __m512 C[4][4];
+                for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) C[i][r] = acc[(m + i) * NB + r0 + r];
+                const float *x0 = x + m * K + k0;
+                for (int64_t k = 0; k < kc; k += 16) {
+                    __m512 v0 = _mm512_loadu_ps(x0 + k), v1 = _mm512_loadu_ps(x0 + K + k);
+                    __m512 v2 = _mm512_loadu_ps(x0 + 2 * K + k), v3 = _mm512_loadu_ps(x0 + 3 * K + k);
+                    for (int r = 0; r < 4; r++) {
+                        __m512 q = _mm512_load_ps(wbuf + (r0 + r) * KC + k);
+                        C[0][r] = _mm512_fmadd_ps(q, v0, C[0][r]);
+                        C[1][r] = _mm512_fmadd_ps(q, v1, C[1][r]);
+                        C[2][r] = _mm512_fmadd_ps(q, v2, C[2][r]);
+                        C[3][r] = _mm512_fmadd_ps(q, v3, C[3][r]);
+                    }
+                }
+                for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) acc[(m + i) * NB + r0 + r] = C[i][r];
+            }
+        for (; m < mt; m++) {
+            __m512 A[NB];
+            for (int r = 0; r < NB; r++) A[r] = acc[m * NB + r];
+            const float *xm = x + m * K + k0;
+            for (int64_t k = 0; k < kc; k += 16) {
+                __m512 v = _mm512_loadu_ps(xm + k);
+                for (int r = 0; r < NB; r++) A[r] = _mm512_fmadd_ps(_mm512_load_ps(wbuf + r * KC + k), v, A[r]);
+            }
+            for (int r = 0; r < NB; r++) acc[m * NB + r] = A[r];
+        }
+    }
+    for (int64_t m = 0; m < mt; m++)
+        for (int r = 0; r < nb; r++) store(y, y_bf16, m * ldy + n0 + r, hsum16(acc[m * NB + r]));
+}
+
+AVX512 static void chunked_any(int t, const uint8_t *w, int64_t row_bytes, int nb, const float *x, int64_t mt,
+                               int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0, float *wbuf, __m512 *acc) {
+    switch (t) {
+#define CASE(T) case T: chunked512(T, w, row_bytes, nb, x, mt, K, y, y_bf16, ldy, n0, wbuf, acc); return;
+    CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q8_0) CASE(Q4_K) CASE(Q6_K)
+#undef CASE
+    }
+}
+
 static int use512(void) {
     static int v = -1;
     if (v < 0) v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 1 : 0;
@@ -406,8 +469,9 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
     int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *wbuf = (float *)aligned_alloc(64, (size_t)NB * K * 4);
-        if (!wbuf) {
+        float *wbuf = (float *)aligned_alloc(64, (size_t)NB * (K > KC ? K : KC) * 4);
+        void *acc = aligned_alloc(64, (size_t)MT * NB * 64);
+        if (!wbuf || !acc) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -415,11 +479,16 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
             int64_t mt = M - m0 < MT ? M - m0 : MT;
 #pragma omp for schedule(static)
             for (int64_t blk = 0; blk < nblocks; blk++) {
-                if (!wbuf) continue;
+                if (!wbuf || !acc) continue;
                 int64_t n0 = blk * NB;
                 int nb = (int)(N - n0 < NB ? N - n0 : NB);
                 if (wide && fast && M <= 2) {
                     fused_any(t, w, row_bytes, nb, xf, M, K, y, y_bf16, ldy, n0);
+                    continue;
+                }
+                if (wide && fast) {
+                    chunked_any(t, w, row_bytes, nb, xf + m0 * K, mt, K, (char *)y + m0 * ldy * (y_bf16 ? 2 : 4),
+                                y_bf16, ldy, n0, wbuf, (__m512 *)acc);
                     continue;
                 }
                 for (int r = 0; r < nb; r++) {
@@ -434,6 +503,7 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
             }
         }
         free(wbuf);
+        free(acc);
     }
     if (x_bf16) free(xf);
     return failed ? -2 : 0;
@@ -444,5 +514,418 @@ int ggml_rows(const uint8_t *w, int t, int64_t row_bytes, const int64_t *ids, in
     int bb = block_bytes(t);
     if (!bb || K % block_elems(t) || row_bytes != K / block_elems(t) * bb) return -1;
     for (int64_t i = 0; i < n; i++) deq256(t, w + ids[i] * row_bytes, out + i * K, K);
+    return 0;
+}
+
+/* ==== The repacked path: bf16 dot products on hosts with AVX512-BF16 ============================================
+ *
+ * The weights are repacked once at load: 16 weight rows side by side (one lane each), codes kept as small as the
+ * type allows (4-bit types: a nibble per weight; the others: a byte, the code minus its offset), and per 16 rows
+ * and block of BK = 32 weights (16 for Q6_K) two fp32 vectors: d (the block's scale, for K-quants the super-block
+ * scale times the 6-bit sub-scale, as the gguf package computes it) and m (the block's added minimum; 0 where the
+ * type has none; minus dmin times the sub-minimum for K-quants). Then for bf16 activations x
+ *
+ *     y[n] = sum over blocks b, in order, of  fma(m[n, b], X[b], fma(d[n, b], S[n, b], acc))
+ *     S[n, b] = the codes' dot product with x over the block, by VDPBF16PS (each code an exact bf16, each pair
+ *               product exact, the pair sums in fp32 in the instruction's fixed order), from zero
+ *     X[b]   = the block's sum of x (fp32, in order; a function of the activation row alone)
+ *
+ * -- the same exact weights (d * code + m), summed in another fixed order. Each (row, output) is computed by the
+ * same instructions whatever the other rows of the pass: batch-invariant. A code vector is converted once and used
+ * by up to VM activation rows, so a 9-row verification pass costs little more than a decode step.
+ */
+#define VM 4
+#ifndef PF
+#define PF 1024  /* bytes of codes prefetched ahead of the dot products */
+#endif
+#define AVXBF __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")))
+
+static int nibble_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q4_K; }
+static int vblock(int t) { return t == Q6_K ? 16 : 32; }
+
+int ggml_vsizes(int t, int64_t N, int64_t K, int64_t *code_bytes, int64_t *scale_floats) {
+    if (!block_bytes(t) || K % block_elems(t) || K % 32) return -1;
+    int64_t tiles = (N + 15) / 16;
+    *code_bytes = tiles * 16 * K / (nibble_type(t) ? 2 : 1);
+    *scale_floats = tiles * (K / vblock(t)) * 32;
+    return 0;
+}
+
+int ggml_vsupported(void) { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
+
+/* One row's codes (code value as an int: its weight is d * code + m) and per-BK-block d and m. */
+static void row_codes(int t, const uint8_t *b, int64_t K, int *code, float *d, float *m) {
+    int64_t nblk = K / block_elems(t);
+    for (int64_t i = 0; i < nblk; i++) {
+        switch (t) {
+        case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: {
+            int sz = block_bytes(t);
+            float dd = h2f(rd16(b)), mm = (t == Q4_1 || t == Q5_1) ? h2f(rd16(b + 2)) : 0.f;
+            const uint8_t *qs = b + (t == Q4_0 ? 2 : t == Q4_1 ? 4 : t == Q5_0 ? 6 : t == Q5_1 ? 8 : 2);
+            uint32_t qh = t == Q5_0 ? rd32(b + 2) : t == Q5_1 ? rd32(b + 4) : 0;
+            for (int j = 0; j < 32; j++) {
+                int q;
+                if (t == Q8_0) q = ((const int8_t *)qs)[j];
+                else {
+                    q = j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4);
+                    if (t == Q5_0 || t == Q5_1) q |= ((qh >> j) & 1) << 4;
+                    if (t == Q4_0) q -= 8;
+                    if (t == Q5_0) q -= 16;
+                }
+                code[32 * i + j] = q;
+            }
+            d[i] = dd; m[i] = mm;
+            b += sz; break;
+        }
+        case Q4_K: case Q5_K: {
+            float dd = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+            const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + (t == Q5_K ? 48 : 16);
+            for (int j = 0; j < 8; j++) {
+                int g = j >> 1, h = j & 1;
+                uint8_t s, mn;
+                scale_min_k4(j, sc, &s, &mn);
+                d[8 * i + j] = dd * (float)s;
+                m[8 * i + j] = -(dmin * (float)mn);
+                for (int l = 0; l < 32; l++) {
+                    int q = (qs[32 * g + l] >> (4 * h)) & 15;
+                    if (t == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                    code[256 * i + 32 * j + l] = q;
+                }
+            }
+            b += t == Q5_K ? 176 : 144; break;
+        }
+        case Q6_K: {
+            const uint8_t *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            float dd = h2f(rd16(b + 208));
+            for (int j = 0; j < 16; j++) { d[16 * i + j] = dd * (float)sc[j]; m[16 * i + j] = 0.f; }
+            for (int h = 0; h < 2; h++)
+                for (int g = 0; g < 4; g++)
+                    for (int l = 0; l < 32; l++) {
+                        int lo = (ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1))) & 15;
+                        int hi = (qh[32 * h + l] >> (2 * g)) & 3;
+                        code[256 * i + 128 * h + 32 * g + l] = (lo | (hi << 4)) - 32;
+                    }
+            b += 210; break;
+        }
+        }
+    }
+}
+
+/* Repack N rows of blocks (rows past N: zero weights). codes/scales sized by ggml_vsizes. */
+int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *codes, float *scales) {
+    int64_t cb, sf;
+    if (ggml_vsizes(t, N, K, &cb, &sf) || row_bytes != K / block_elems(t) * block_bytes(t)) return -1;
+    int BK = vblock(t), nib = nibble_type(t);
+    int64_t tiles = (N + 15) / 16, nbk = K / BK;
+    int *code = (int *)malloc(K * sizeof(int));
+    float *d = (float *)malloc(nbk * 4), *m = (float *)malloc(nbk * 4);
+    if (!code || !d || !m) { free(code); free(d); free(m); return -2; }
+    memset(codes, 0, cb);
+    memset(scales, 0, sf * 4);
+    for (int64_t n = 0; n < N; n++) {
+        row_codes(t, w + n * row_bytes, K, code, d, m);
+        int64_t tile = n / 16, r = n % 16;
+        for (int64_t b = 0; b < nbk; b++) {
+            scales[(tile * nbk + b) * 32 + r] = d[b];
+            scales[(tile * nbk + b) * 32 + 16 + r] = m[b];
+        }
+        for (int64_t k = 0; k < K; k++) {
+            int64_t pair = k / 2, j = k % 2;
+            if (nib) {
+                /* per 4 weights (two pairs A, B) of a tile: 32 bytes, byte r*2+j = codeA | codeB << 4 */
+                int64_t quad = k / 4, inpair = (k % 4) / 2;
+                uint8_t *p = codes + (tile * (K / 4) + quad) * 32 + r * 2 + j;
+                *p |= (uint8_t)(((code[k] + (t == Q4_0 ? 8 : 0)) & 15) << (4 * inpair));
+            } else {
+                codes[(tile * (K / 2) + pair) * 32 + r * 2 + j] = (uint8_t)(int8_t)code[k];
+            }
+        }
+    }
+    free(code); free(d); free(m);
+    return 0;
+}
+
+/* Rows `ids` dequantised from the repacked form (fp32 [n, K]): d * code + m, bit for bit the gguf package's. */
+int ggml_vrows(int t, const uint8_t *codes, const float *scales, int64_t K, const int64_t *ids, int64_t n,
+               float *out) {
+    int BK = vblock(t), nib = nibble_type(t);
+    int64_t nbk = K / BK;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t tile = ids[i] / 16, r = ids[i] % 16;
+        for (int64_t k = 0; k < K; k++) {
+            int q;
+            if (nib) {
+                uint8_t byte = codes[(tile * (K / 4) + k / 4) * 32 + r * 2 + k % 2];
+                q = (byte >> (4 * ((k % 4) / 2))) & 15;
+                if (t == Q4_0) q -= 8;
+            } else q = (int8_t)codes[(tile * (K / 2) + k / 2) * 32 + r * 2 + k % 2];
+            int64_t b = k / BK;
+            float dd = scales[(tile * nbk + b) * 32 + r], mm = scales[(tile * nbk + b) * 32 + 16 + r];
+            float v = (t == Q8_0) ? (float)q * dd : dd * (float)q;
+            out[i * K + k] = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K) ? v + mm : v;
+        }
+    }
+    return 0;
+}
+
+/* 32 codes of one pair-group as bf16: nibble types from a 32-byte group (lo or hi nibbles), byte types from 32
+   bytes (signed). */
+AVXBF static inline __m512bh nib_bf16(__m512i words, __m512i lut) { return (__m512bh)_mm512_permutexvar_epi16(words, lut); }
+AVXBF static inline __m512bh byte_bf16(const uint8_t *p) {
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(b, a);  /* words 0-15: a (pairs of rows 0-7), 16-31: b */
+}
+
+/* One tile of 16 weight rows against mt <= VM activation rows; x: bf16 rows (stride K), xs: per-row block sums.
+   Four partial sums per row and block (pair groups taken in turn), added in a fixed order at the block's end: the
+   dot products do not wait on each other, and the order is the same whatever mt is. */
+AVXBF static inline __m512 bcast_pair(const uint16_t *p) {
+    return _mm512_broadcastss_ps(_mm_load_ss((const float *)p));
+}
+
+AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8_t *codes, const float *scales,
+                                                              int64_t tile, const uint16_t *x, const float *xs,
+                                                              int64_t mt, int64_t K, void *y, int y_bf16,
+                                                              int64_t ldy, int64_t n0, int64_t N) {
+    int BK = vblock(t), nib = nibble_type(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
+    int64_t nbk = K / BK;
+    __m512 acc[VM], S[VM][4];
+    for (int i = 0; i < VM; i++) acc[i] = _mm512_setzero_ps();
+    __m512i lut;
+    {
+        uint16_t tab[32];
+        for (int i = 0; i < 32; i++) {
+            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));
+            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);  /* small integers: exact in bf16 */
+        }
+        lut = _mm512_loadu_si512(tab);
+    }
+    const __m512i m4 = _mm512_set1_epi16(15);
+    for (int64_t b = 0; b < nbk; b++) {
+        for (int i = 0; i < mt; i++) for (int c = 0; c < 4; c++) S[i][c] = _mm512_setzero_ps();
+        int64_t k0 = b * BK;
+        if (nib) {
+            for (int64_t k = k0, g = 0; k < k0 + BK; k += 4, g ^= 2) {
+                const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
+                if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
+                __m512bh qa = nib_bf16(_mm512_and_si512(v, m4), lut);
+                __m512bh qb = nib_bf16(_mm512_srli_epi16(v, 4), lut);
+                for (int i = 0; i < mt; i++) {
+                    const uint16_t *xr = x + i * K + k;
+                    S[i][g] = _mm512_dpbf16_ps(S[i][g], qa, (__m512bh)bcast_pair(xr));
+                    S[i][g + 1] = _mm512_dpbf16_ps(S[i][g + 1], qb, (__m512bh)bcast_pair(xr + 2));
+                }
+            }
+        } else {
+            for (int64_t k = k0, g = 0; k < k0 + BK; k += 2, g = (g + 1) & 3) {
+                const uint8_t *cp = codes + (tile * (K / 2) + k / 2) * 32;
+                if (!(k & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+                __m512bh q = byte_bf16(cp);
+                for (int i = 0; i < mt; i++)
+                    S[i][g] = _mm512_dpbf16_ps(S[i][g], q, (__m512bh)bcast_pair(x + i * K + k));
+            }
+        }
+        __m512 d = _mm512_loadu_ps(scales + (tile * nbk + b) * 32);
+        __m512 m = _mm512_loadu_ps(scales + (tile * nbk + b) * 32 + 16);
+        for (int i = 0; i < mt; i++) {
+            __m512 s = _mm512_add_ps(_mm512_add_ps(S[i][0], S[i][1]), _mm512_add_ps(S[i][2], S[i][3]));
+            acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
+            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+        }
+    }
+    int64_t nn = N - n0 < 16 ? N - n0 : 16;
+    for (int i = 0; i < mt; i++) {
+        float o[16];
+        _mm512_storeu_ps(o, acc[i]);
+        for (int r = 0; r < nn; r++) store(y, y_bf16, i * ldy + n0 + r, o[r]);
+    }
+}
+
+/* vtile instantiated per type and per row count (1..VM), so that its partial sums live in registers. */
+#define VT(T, MT) vtile(T, codes, scales, tile, x, xs, MT, K, y, y_bf16, ldy, n0, N)
+#define VTYPE(T) AVXBF static void vtile_##T(const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x, \
+                                             const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, \
+                                             int64_t n0, int64_t N) { \
+    switch (mt) { case 1: VT(T, 1); return; case 2: VT(T, 2); return; case 3: VT(T, 3); return; default: VT(T, 4); } }
+VTYPE(Q4_0) VTYPE(Q4_1) VTYPE(Q5_0) VTYPE(Q5_1) VTYPE(Q8_0) VTYPE(Q4_K) VTYPE(Q5_K) VTYPE(Q6_K)
+#undef VTYPE
+#undef VT
+
+AVXBF static void vtile_any(int t, const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x,
+                            const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0,
+                            int64_t N) {
+    switch (t) {
+#define CASE(T) case T: vtile_##T(codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N); return;
+    CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+#undef CASE
+    }
+}
+
+/* ---- AMX (Sapphire Rapids and later): the same repacked codes, the block products by tile instructions --------
+ * Per 16 weight rows and block: the codes converted to bf16 form the B tile (pair rows, 16 columns), up to 16
+ * activation rows the A tile (read in place), TDPBF16PS the block's dot products for every row at once; then the
+ * same scale/minimum FMAs as the vector path. One tile product costs about what 16 vector dot products cost, so a
+ * 9- or 16-row verification pass costs about one decode step. Every row's result depends on that row alone (the
+ * tile product computes each element from its own A row and B column): batch-invariant. Used on every pass of a
+ * host where it runs (`ggml_vpath`), so plain decoding and verification round alike. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16,avx2,fma,f16c")))
+
+static int amx_state = -1;
+static int amx_ok(void) {
+    if (amx_state < 0) {
+        amx_state = 0;
+        if (__builtin_cpu_supports("avx512bf16")) {
+            unsigned a, b, c, d;
+            __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+            int amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+            /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): Linux grants tile state per process */
+            if (amx_bf16 && amx_tile && syscall(SYS_arch_prctl, 0x1023, 18) == 0) amx_state = 1;
+        }
+        if (getenv("SPECLOOM_GGML_AMX") && getenv("SPECLOOM_GGML_AMX")[0] == '0') amx_state = 0;
+    }
+    return amx_state;
+}
+
+/* 2: AMX tiles, 1: AVX512-BF16 vector dot products, 0: no repacked path here. */
+int ggml_vpath(void) { return !ggml_vsupported() ? 0 : amx_ok() ? 2 : 1; }
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t pad[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tilecfg;
+
+AMX static void amx_config(int mt, int BK) {
+    tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = (uint8_t)mt; c.colsb[0] = 64;          /* C: mt x 16 fp32 */
+    c.rows[1] = (uint8_t)mt; c.colsb[1] = (uint16_t)(2 * BK);  /* A: mt x BK bf16 */
+    c.rows[2] = (uint8_t)(BK / 2); c.colsb[2] = 64;    /* B: BK/2 pair rows x 16 columns x 2 bf16 */
+    _tile_loadconfig(&c);
+}
+
+AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t *codes, const float *scales,
+                                                            int64_t tile, const uint16_t *x, const float *xs,
+                                                            int64_t mt, int64_t K, void *y, int y_bf16,
+                                                            int64_t ldy, int64_t n0, int64_t N, uint16_t *bbuf,
+                                                            float *cbuf, __m512 *acc) {
+    int BK = vblock(t), nib = nibble_type(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
+    int64_t nbk = K / BK;
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    __m512i lut;
+    {
+        uint16_t tab[32];
+        for (int i = 0; i < 32; i++) {
+            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));
+            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);
+        }
+        lut = _mm512_loadu_si512(tab);
+    }
+    const __m512i m4 = _mm512_set1_epi16(15);
+    for (int64_t b = 0; b < nbk; b++) {
+        int64_t k0 = b * BK;
+        if (nib) {
+            for (int64_t k = k0, p = 0; k < k0 + BK; k += 4, p += 2) {
+                const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
+                if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
+                _mm512_store_si512(bbuf + p * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v, m4), lut));
+                _mm512_store_si512(bbuf + (p + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut));
+            }
+        } else {
+            for (int64_t k = k0, p = 0; k < k0 + BK; k += 2, p++) {
+                const uint8_t *cp = codes + (tile * (K / 2) + k / 2) * 32;
+                if (!(k & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+                _mm512_store_si512(bbuf + p * 32, (__m512i)byte_bf16(cp));
+            }
+        }
+        _tile_zero(0);
+        _tile_loadd(1, x + k0, K * 2);
+        _tile_loadd(2, bbuf, 64);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, cbuf, 64);
+        __m512 d = _mm512_loadu_ps(scales + (tile * nbk + b) * 32);
+        __m512 m = _mm512_loadu_ps(scales + (tile * nbk + b) * 32 + 16);
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(cbuf + 16 * i), acc[i]);
+            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+        }
+    }
+    int64_t nn = N - n0 < 16 ? N - n0 : 16;
+    for (int i = 0; i < mt; i++) {
+        float o[16];
+        _mm512_storeu_ps(o, acc[i]);
+        for (int r = 0; r < nn; r++) store(y, y_bf16, i * ldy + n0 + r, o[r]);
+    }
+}
+
+AMX static void atile_any(int t, const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x,
+                          const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0,
+                          int64_t N, uint16_t *bbuf, float *cbuf, __m512 *acc) {
+    switch (t) {
+#define CASE(T) case T: atile(T, codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N, bbuf, cbuf, acc); return;
+    CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
+#undef CASE
+    }
+}
+
+AMX static void amx_linear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, const float *xs,
+                           int64_t M, int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
+    int BK = vblock(t);
+    int64_t nbk = K / BK, tiles = (N + 15) / 16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint16_t bbuf[16 * 32] __attribute__((aligned(64)));
+        float cbuf[16 * 16] __attribute__((aligned(64)));
+        __m512 acc[16];
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            int64_t mt = M - m0 < 16 ? M - m0 : 16;
+            amx_config((int)mt, BK);
+#pragma omp for schedule(static)
+            for (int64_t tile = 0; tile < tiles; tile++)
+                atile_any(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K,
+                          (char *)y + m0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, tile * 16, N, bbuf, cbuf, acc);
+        }
+        _tile_release();
+    }
+}
+
+/* y (fp32 or bf16, row stride ldy) = x (bf16 [M, K]) @ W^T from the repacked form. 0; -1 bad sizes; -2 no memory;
+   -3 this CPU lacks AVX512-BF16. */
+int ggml_vlinear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, int64_t M, int64_t N,
+                 int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
+    if (!ggml_vsupported()) return -3;
+    int64_t cb, sf;
+    if (ggml_vsizes(t, N, K, &cb, &sf)) return -1;
+    int BK = vblock(t);
+    int64_t nbk = K / BK, tiles = (N + 15) / 16;
+    float *xs = (float *)malloc((size_t)(M * nbk) * 4 + 4);
+    if (!xs) return -2;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < nbk; b++) {
+            float s = 0.f;
+            for (int64_t k = b * BK; k < (b + 1) * BK; k++) s += bf(x[i * K + k]);
+            xs[i * nbk + b] = s;
+        }
+    if (amx_ok()) {
+        amx_linear(x, t, codes, scales, xs, M, N, K, y, y_bf16, ldy, nthreads);
+        free(xs);
+        return 0;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += VM) {
+        int64_t mt = M - m0 < VM ? M - m0 : VM;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            vtile_any(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K,
+                      (char *)y + m0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, tile * 16, N);
+    }
+    free(xs);
     return 0;
 }
