@@ -35,11 +35,12 @@ def device_tag(device: torch.device) -> str:
 
 def host_tag(model) -> str:
     """Cache-name part for measurements that depend on the host and on the model's linear kernel:
-    `-h<host key>-<kernel tag>` (host/)."""
+    `-h<host key>-<kernel tag>` (host/), and for the built kernels `-k<their sources' hash>`."""
     from .host import host_key
+    from .models.native import kernels_version
 
     choice = getattr(model, "kernel_choice", None)
-    return f"-h{host_key()}-{choice.tag if choice is not None else 'default'}"
+    return f"-h{host_key()}-{choice.tag if choice is not None else 'default'}-k{kernels_version()}"
 
 
 def model_cache_key(model) -> str | None:

@@ -40,6 +40,7 @@ from torch import nn
 from ..errors import SpecloomError
 from . import host_key
 from ..models import cpu_packing
+from ..models.native import kernels_version
 
 MULTI = 9  # the verification width of a typical drafter: an EAGLE-2 tree of 8 nodes + root, a chain of 8
 WIDTHS = (1, 4, 9, 16)  # tokens per timed pass: a decode step and verification passes
@@ -115,7 +116,8 @@ def _signature(model: nn.Module, dtype: torch.dtype) -> str:
                     (((m.out_features, m.in_features, m.bias is not None), n) for m, n in _groups(model)))
     held = sorted([m.out_features, m.in_features, list(m.types)] for m in _held(model))
     attn = bool(model.uses_invariant_attention()) if hasattr(model, "uses_invariant_attention") else False
-    return hashlib.sha1(json.dumps([str(dtype), shapes, attn] + ([held] if held else [])).encode()).hexdigest()[:12]
+    return hashlib.sha1(json.dumps([str(dtype), shapes, attn] + ([held] if held else []) +
+                                   [kernels_version()]).encode()).hexdigest()[:12]
 
 
 def candidates(dtype: torch.dtype, device: torch.device | str) -> list[str]:

@@ -213,6 +213,7 @@ class GGMLWeight:
                                    self.scales.data_ptr())
             if rc != 0:
                 raise ValueError(f"GGML type {type_id}: rows of {blocks.shape[1]} bytes do not hold {k} weights")
+            self._vlinear, self._codes, self._scales = f["ggml_vlinear"], self.codes.data_ptr(), self.scales.data_ptr()
         else:
             self.blocks = blocks.contiguous()
 
@@ -236,17 +237,18 @@ class GGMLWeight:
         return out
 
     def matmul_into(self, x: torch.Tensor, y: torch.Tensor, col: int) -> None:
-        """y[:, col:col + rows] = x @ W^T (x (M, K) contiguous, bf16 for the repacked form)."""
-        m = x.shape[0]
-        es = y.element_size()
+        """y[:, col:col + rows] = x @ W^T (x (M, K) contiguous, bf16 for the repacked form; y (M, N) contiguous)."""
+        self.matmul_ptr(x.data_ptr(), int(x.dtype == torch.bfloat16), x.numel() // self.k, y, col)
+
+    def matmul_ptr(self, xp: int, x_bf16: int, m: int, y: torch.Tensor, col: int) -> None:
+        ybf, ldy = int(y.dtype == torch.bfloat16), y.shape[-1]
+        yp = y.data_ptr() + col * y.element_size()
         if self.blocks is None:
-            rc = _vfns()["ggml_vlinear"](x.data_ptr(), self.type_id, self.codes.data_ptr(), self.scales.data_ptr(),
-                                         m, self.rows, self.k, y.data_ptr() + col * es,
-                                         int(y.dtype == torch.bfloat16), y.shape[1], torch.get_num_threads())
+            rc = self._vlinear(xp, self.type_id, self._codes, self._scales, m, self.rows, self.k, yp, ybf, ldy,
+                               torch.get_num_threads())
         else:
-            rc = _load()(x.data_ptr(), int(x.dtype == torch.bfloat16), self.blocks.data_ptr(), self.type_id,
-                         self.blocks.shape[1], y.data_ptr() + col * es, int(y.dtype == torch.bfloat16), y.shape[1],
-                         m, self.rows, self.k, torch.get_num_threads(), int(FORCE_AVX2))
+            rc = _load()(xp, x_bf16, self.blocks.data_ptr(), self.type_id, self.blocks.shape[1], yp, ybf, ldy, m,
+                         self.rows, self.k, torch.get_num_threads(), int(FORCE_AVX2))
         if rc == -2:
             raise MemoryError("ggml linear kernel: could not allocate its buffers")
         if rc != 0:
@@ -287,19 +289,18 @@ class GGMLLinear(nn.Module):
         return self.ws[0].storage_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        want = torch.bfloat16 if self.repacked else (x2.dtype if x2.dtype in (torch.bfloat16, torch.float32)
+        want = torch.bfloat16 if self.repacked else (x.dtype if x.dtype in (torch.bfloat16, torch.float32)
                                                      else torch.float32)
-        x2 = x2.to(want).contiguous()
-        y = torch.empty(x2.shape[0], self.out_features,
-                        dtype=torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32)
-        col = 0
+        x2 = x if x.dtype == want and x.is_contiguous() else x.to(want).contiguous()
+        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        y = torch.empty(*x.shape[:-1], self.out_features, dtype=out)
+        xp, xb, m, col = x2.data_ptr(), int(want == torch.bfloat16), x2.numel() // self.in_features, 0
         for w in self.ws:
-            w.matmul_into(x2, y, col)
+            w.matmul_ptr(xp, xb, m, y, col)
             col += w.rows
         if self.bias is not None:
             y = y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if out == x.dtype else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         names = {v: k for k, v in KERNEL_TYPES.items()}

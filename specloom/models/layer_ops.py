@@ -54,7 +54,8 @@ def _fns():
 
 
 def usable(x: torch.Tensor) -> bool:
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad):
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) \
+            or x.shape[-1] > 16384:
         return False
     norm, rope = _fns()
     return norm is not None and rope is not None

@@ -25,6 +25,17 @@ KERNEL_DIR = os.path.join(os.path.dirname(__file__), "kernels")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 
 
+def kernels_version() -> str:
+    """12 hex digits of a hash of every kernel source: part of the keys of measurements taken with them (the
+    kernel choice's probe, verify-cost curves), so that new kernels are measured again."""
+    h = hashlib.sha1()
+    for name in sorted(os.listdir(KERNEL_DIR)):
+        if name.endswith(".c"):
+            with open(os.path.join(KERNEL_DIR, name), "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:12]
+
+
 def compiler() -> str | None:
     for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if cc and shutil.which(cc):

@@ -811,44 +811,50 @@ AMX static void amx_config(int mt, int BK) {
     _tile_loadconfig(&c);
 }
 
+/* The B tile of block b (BK/2 pair rows x 16 columns of bf16 codes) into dst. */
+AMX static inline __attribute__((always_inline)) void conv_block(int t, const uint8_t *codes, int64_t tile,
+                                                                 int64_t b, int64_t K, uint16_t *dst) {
+    int BK = vblock(t);
+    int64_t k0 = b * BK;
+    if (nibble_type(t)) {
+        uint16_t tab[32];
+        for (int i = 0; i < 32; i++) {
+            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));  /* small integers: exact in bf16 */
+            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);
+        }
+        const __m512i lut = _mm512_loadu_si512(tab), m4 = _mm512_set1_epi16(15);
+        for (int64_t k = k0, p = 0; k < k0 + BK; k += 4, p += 2) {
+            const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
+            if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
+            _mm512_store_si512(dst + p * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v, m4), lut));
+            _mm512_store_si512(dst + (p + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut));
+        }
+    } else {
+        for (int64_t k = k0, p = 0; k < k0 + BK; k += 2, p++) {
+            const uint8_t *cp = codes + (tile * (K / 2) + k / 2) * 32;
+            if (!(k & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+            _mm512_store_si512(dst + p * 32, (__m512i)byte_bf16(cp));
+        }
+    }
+}
+
+/* One tile of 16 weight rows against mt <= 16 activation rows. bfull NULL: each block's B tile is converted into
+   bbuf as it is needed; else bfull holds every block's (converted once for all of a long pass's row tiles). */
 AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t *codes, const float *scales,
                                                             int64_t tile, const uint16_t *x, const float *xs,
                                                             int64_t mt, int64_t K, void *y, int y_bf16,
                                                             int64_t ldy, int64_t n0, int64_t N, uint16_t *bbuf,
-                                                            float *cbuf, __m512 *acc) {
-    int BK = vblock(t), nib = nibble_type(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
+                                                            const uint16_t *bfull, float *cbuf, __m512 *acc) {
+    int BK = vblock(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
     int64_t nbk = K / BK;
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    __m512i lut;
-    {
-        uint16_t tab[32];
-        for (int i = 0; i < 32; i++) {
-            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));
-            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);
-        }
-        lut = _mm512_loadu_si512(tab);
-    }
-    const __m512i m4 = _mm512_set1_epi16(15);
     for (int64_t b = 0; b < nbk; b++) {
-        int64_t k0 = b * BK;
-        if (nib) {
-            for (int64_t k = k0, p = 0; k < k0 + BK; k += 4, p += 2) {
-                const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
-                if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
-                __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
-                _mm512_store_si512(bbuf + p * 32, _mm512_permutexvar_epi16(_mm512_and_si512(v, m4), lut));
-                _mm512_store_si512(bbuf + (p + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut));
-            }
-        } else {
-            for (int64_t k = k0, p = 0; k < k0 + BK; k += 2, p++) {
-                const uint8_t *cp = codes + (tile * (K / 2) + k / 2) * 32;
-                if (!(k & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
-                _mm512_store_si512(bbuf + p * 32, (__m512i)byte_bf16(cp));
-            }
-        }
+        const uint16_t *bt = bfull ? bfull + b * (BK / 2) * 32 : bbuf;
+        if (!bfull) conv_block(t, codes, tile, b, K, bbuf);
         _tile_zero(0);
-        _tile_loadd(1, x + k0, K * 2);
-        _tile_loadd(2, bbuf, 64);
+        _tile_loadd(1, x + b * BK, K * 2);
+        _tile_loadd(2, bt, 64);
         _tile_dpbf16ps(0, 1, 2);
         _tile_stored(0, cbuf, 64);
         __m512 d = _mm512_loadu_ps(scales + (tile * nbk + b) * 32);
@@ -866,35 +872,63 @@ AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t
     }
 }
 
+/* Every row tile of the pass against one weight tile (the weights' B tiles converted once when there are
+   several row tiles). */
+AMX static inline __attribute__((always_inline)) void atile_rows(int t, const uint8_t *codes, const float *scales,
+                                                                 int64_t tile, const uint16_t *x, const float *xs,
+                                                                 int64_t M, int64_t K, void *y, int y_bf16,
+                                                                 int64_t ldy, int64_t N, uint16_t *bbuf,
+                                                                 uint16_t *bfull, float *cbuf, __m512 *acc,
+                                                                 int *cfg_rows) {
+    int BK = vblock(t);
+    int64_t nbk = K / BK;
+    if (M > 16 && bfull)
+        for (int64_t b = 0; b < nbk; b++) conv_block(t, codes, tile, b, K, bfull + b * (BK / 2) * 32);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        int64_t mt = M - m0 < 16 ? M - m0 : 16;
+        if (*cfg_rows != mt) {
+            amx_config((int)mt, BK);
+            *cfg_rows = (int)mt;
+        }
+        atile(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K, (char *)y + m0 * ldy * (y_bf16 ? 2 : 4),
+              y_bf16, ldy, tile * 16, N, bbuf, M > 16 ? bfull : NULL, cbuf, acc);
+    }
+}
+
 AMX static void atile_any(int t, const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x,
-                          const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0,
-                          int64_t N, uint16_t *bbuf, float *cbuf, __m512 *acc) {
+                          const float *xs, int64_t M, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t N,
+                          uint16_t *bbuf, uint16_t *bfull, float *cbuf, __m512 *acc, int *cfg_rows) {
     switch (t) {
-#define CASE(T) case T: atile(T, codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N, bbuf, cbuf, acc); return;
+#define CASE(T) case T: atile_rows(T, codes, scales, tile, x, xs, M, K, y, y_bf16, ldy, N, bbuf, bfull, cbuf, acc, \
+                                   cfg_rows); return;
     CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
 #undef CASE
     }
 }
 
-AMX static void amx_linear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, const float *xs,
-                           int64_t M, int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
-    int BK = vblock(t);
-    int64_t nbk = K / BK, tiles = (N + 15) / 16;
+AMX static int amx_linear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, const float *xs,
+                          int64_t M, int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
+    int64_t tiles = (N + 15) / 16;
+    int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
         uint16_t bbuf[16 * 32] __attribute__((aligned(64)));
         float cbuf[16 * 16] __attribute__((aligned(64)));
         __m512 acc[16];
-        for (int64_t m0 = 0; m0 < M; m0 += 16) {
-            int64_t mt = M - m0 < 16 ? M - m0 : 16;
-            amx_config((int)mt, BK);
-#pragma omp for schedule(static)
-            for (int64_t tile = 0; tile < tiles; tile++)
-                atile_any(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K,
-                          (char *)y + m0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, tile * 16, N, bbuf, cbuf, acc);
+        int cfg_rows = -1;
+        uint16_t *bfull = M > 16 ? (uint16_t *)aligned_alloc(64, (size_t)K * 16 * 2) : NULL;
+        if (M > 16 && !bfull) {
+#pragma omp atomic write
+            failed = 1;
         }
+#pragma omp for schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            if (M <= 16 || bfull)
+                atile_any(t, codes, scales, tile, x, xs, M, K, y, y_bf16, ldy, N, bbuf, bfull, cbuf, acc, &cfg_rows);
         _tile_release();
+        free(bfull);
     }
+    return failed ? -2 : 0;
 }
 
 /* y (fp32 or bf16, row stride ldy) = x (bf16 [M, K]) @ W^T from the repacked form. 0; -1 bad sizes; -2 no memory;
@@ -915,9 +949,9 @@ int ggml_vlinear(const uint16_t *x, int t, const uint8_t *codes, const float *sc
             xs[i * nbk + b] = s;
         }
     if (amx_ok()) {
-        amx_linear(x, t, codes, scales, xs, M, N, K, y, y_bf16, ldy, nthreads);
+        int rc = amx_linear(x, t, codes, scales, xs, M, N, K, y, y_bf16, ldy, nthreads);
         free(xs);
-        return 0;
+        return rc;
     }
     for (int64_t m0 = 0; m0 < M; m0 += VM) {
         int64_t mt = M - m0 < VM ? M - m0 : VM;

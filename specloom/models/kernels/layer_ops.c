@@ -21,33 +21,38 @@ static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; me
 static inline uint16_t rn(float v) {
     uint32_t u;
     memcpy(&u, &v, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u | 0x00400000) >> 16);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
+    uint32_t r = ((u & 0x7fffffff) > 0x7f800000) ? (u | 0x00400000) : u + 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(r >> 16);
 }
 
-/* x, r, h, out: [M, H] bf16 (r and h may be NULL: no residual); w: [H] fp32. */
+#define MAXH 16384  /* the widest hidden size / head size these per-row buffers take */
+
+/* x, r, h, out: [M, H] bf16 (r and h may be NULL: no residual); w: [H] fp32. The mean of squares: 16 lanes, lane j
+   summing i = j, j + 16, ... in order, then lanes 0..15 in order. Returns -1 for H > MAXH. */
 int rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h, uint16_t *out, const float *w, int64_t M,
                   int64_t H, float eps) {
+    if (H > MAXH) return -1;
+    float hv[MAXH];
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xm = x + m * H;
         uint16_t *om = out + m * H;
-        float acc[16] = {0};
-        float hv[H > 0 ? H : 1];
-        for (int64_t i = 0; i < H; i++) {
-            float v = bf(xm[i]);
-            if (r) {
-                uint16_t s = rn(v + bf(r[m * H + i]));
-                h[m * H + i] = s;
-                v = bf(s);
-            }
-            hv[i] = v;
-            acc[i & 15] += v * v;
+        if (r) {
+            const uint16_t *rm = r + m * H;
+            uint16_t *hm = h + m * H;
+            for (int64_t i = 0; i < H; i++) hm[i] = rn(bf(xm[i]) + bf(rm[i]));
+            for (int64_t i = 0; i < H; i++) hv[i] = bf(hm[i]);
+        } else {
+            for (int64_t i = 0; i < H; i++) hv[i] = bf(xm[i]);
         }
+        float acc[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16)
+            for (int j = 0; j < 16; j++) acc[j] += hv[i + j] * hv[i + j];
+        for (; i < H; i++) acc[i & 15] += hv[i] * hv[i];
         float s = 0.f;
         for (int j = 0; j < 16; j++) s += acc[j];
         float inv = 1.0f / sqrtf(s / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) om[i] = rn(hv[i] * inv * w[i]);
+        for (int64_t k = 0; k < H; k++) om[k] = rn(hv[k] * inv * w[k]);
     }
     return 0;
 }
@@ -56,18 +61,19 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h, uint16_t *o
    each row are rotated in place by that row's cos / signed sin (bf16, [rows, d], row stride d). */
 int rope_bf16(uint16_t *qkv, int64_t rows, int64_t rs, int64_t nrot, int64_t d, const uint16_t *cos,
               const uint16_t *sin) {
+    if (d > MAXH || d % 2) return -1;
     int64_t half = d / 2;
-    uint16_t tmp[d > 0 ? d : 1];
+    float c[MAXH], sn[MAXH], a[MAXH], b[MAXH];
     for (int64_t t = 0; t < rows; t++) {
-        const uint16_t *c = cos + t * d, *s = sin + t * d;
+        for (int64_t i = 0; i < d; i++) { c[i] = bf(cos[t * d + i]); sn[i] = bf(sin[t * d + i]); }
         for (int64_t hd = 0; hd < nrot; hd++) {
             uint16_t *x = qkv + t * rs + hd * d;
-            memcpy(tmp, x, d * 2);
-            for (int64_t i = 0; i < d; i++) {
-                float a = bf(rn(bf(tmp[i]) * bf(c[i])));
-                float b = bf(rn(bf(tmp[(i + half) % d]) * bf(s[i])));
-                x[i] = rn(a + b);
+            for (int64_t i = 0; i < half; i++) {
+                float x0 = bf(x[i]), x1 = bf(x[i + half]);
+                a[i] = bf(rn(x0 * c[i])) + bf(rn(x1 * sn[i]));               /* rot(x)[i] = x[i + d/2] */
+                b[i] = bf(rn(x1 * c[i + half])) + bf(rn(x0 * sn[i + half]));  /* rot(x)[i + d/2] = x[i] */
             }
+            for (int64_t i = 0; i < half; i++) { x[i] = rn(a[i]); x[i + half] = rn(b[i]); }
         }
     }
     return 0;
