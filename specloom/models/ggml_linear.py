@@ -207,7 +207,7 @@ class GGMLWeight:
             if f["ggml_vsizes"](type_id, self.rows, k, ctypes.byref(cb), ctypes.byref(sf)) != 0:
                 raise ValueError(f"GGML type {type_id}: {k} weights per row cannot be repacked")
             self.codes = _arena.take(cb.value, torch.uint8)
-            self.scales = _arena.take(4 * sf.value, torch.float32)
+            self.scales = _arena.take(sf.value, torch.uint8)
             blocks = blocks.contiguous()
             rc = f["ggml_vrepack"](type_id, blocks.data_ptr(), blocks.shape[1], self.rows, k, self.codes.data_ptr(),
                                    self.scales.data_ptr())
@@ -221,7 +221,7 @@ class GGMLWeight:
     def nbytes(self) -> int:
         if self.blocks is not None:
             return self.blocks.numel()
-        return self.codes.numel() + 4 * self.scales.numel()
+        return self.codes.numel() + self.scales.numel()
 
     def storage_ptr(self) -> int:
         return (self.blocks if self.blocks is not None else self.codes).data_ptr()

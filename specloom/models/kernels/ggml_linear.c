@@ -542,13 +542,27 @@ int ggml_rows(const uint8_t *w, int t, int64_t row_bytes, const int64_t *ids, in
 
 static int nibble_type(int t) { return t == Q4_0 || t == Q4_1 || t == Q4_K; }
 static int vblock(int t) { return t == Q6_K ? 16 : 32; }
+static int has_min(int t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
+/* the block types' scales (and minimums) are fp16 as shipped: kept so; K-quants' products d * sub-scale: fp32 */
+static int half_scales(int t) { return !(t == Q4_K || t == Q5_K || t == Q6_K); }
+/* bytes of one (16-row tile, block)'s scales: 16 d, then 16 m where the type has a minimum */
+static int64_t sblock(int t) { return (int64_t)16 * (has_min(t) ? 2 : 1) * (half_scales(t) ? 2 : 4); }
 
-int ggml_vsizes(int t, int64_t N, int64_t K, int64_t *code_bytes, int64_t *scale_floats) {
+int ggml_vsizes(int t, int64_t N, int64_t K, int64_t *code_bytes, int64_t *scale_bytes) {
     if (!block_bytes(t) || K % block_elems(t) || K % 32) return -1;
     int64_t tiles = (N + 15) / 16;
     *code_bytes = tiles * 16 * K / (nibble_type(t) ? 2 : 1);
-    *scale_floats = tiles * (K / vblock(t)) * 32;
+    *scale_bytes = tiles * (K / vblock(t)) * sblock(t);
     return 0;
+}
+
+static inline float sget(int t, const uint8_t *sb, int i) {  /* element i (0-15: d, 16-31: m) */
+    if (half_scales(t)) return h2f(rd16(sb + 2 * i));
+    float f; memcpy(&f, sb + 4 * i, 4); return f;
+}
+static inline void sput(int t, uint8_t *sb, int i, float v) {
+    if (half_scales(t)) { uint16_t h = _cvtss_sh(v, 0); memcpy(sb + 2 * i, &h, 2); }  /* exact: fp16 as shipped */
+    else memcpy(sb + 4 * i, &v, 4);
 }
 
 int ggml_vsupported(void) { return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw"); }
@@ -613,7 +627,7 @@ static void row_codes(int t, const uint8_t *b, int64_t K, int *code, float *d, f
 }
 
 /* Repack N rows of blocks (rows past N: zero weights). codes/scales sized by ggml_vsizes. */
-int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *codes, float *scales) {
+int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *codes, uint8_t *scales) {
     int64_t cb, sf;
     if (ggml_vsizes(t, N, K, &cb, &sf) || row_bytes != K / block_elems(t) * block_bytes(t)) return -1;
     int BK = vblock(t), nib = nibble_type(t);
@@ -622,13 +636,14 @@ int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t 
     float *d = (float *)malloc(nbk * 4), *m = (float *)malloc(nbk * 4);
     if (!code || !d || !m) { free(code); free(d); free(m); return -2; }
     memset(codes, 0, cb);
-    memset(scales, 0, sf * 4);
+    memset(scales, 0, sf);
     for (int64_t n = 0; n < N; n++) {
         row_codes(t, w + n * row_bytes, K, code, d, m);
         int64_t tile = n / 16, r = n % 16;
         for (int64_t b = 0; b < nbk; b++) {
-            scales[(tile * nbk + b) * 32 + r] = d[b];
-            scales[(tile * nbk + b) * 32 + 16 + r] = m[b];
+            uint8_t *sb = scales + (tile * nbk + b) * sblock(t);
+            sput(t, sb, (int)r, d[b]);
+            if (has_min(t)) sput(t, sb, 16 + (int)r, m[b]);
         }
         for (int64_t k = 0; k < K; k++) {
             int64_t pair = k / 2, j = k % 2;
@@ -647,7 +662,7 @@ int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t 
 }
 
 /* Rows `ids` dequantised from the repacked form (fp32 [n, K]): d * code + m, bit for bit the gguf package's. */
-int ggml_vrows(int t, const uint8_t *codes, const float *scales, int64_t K, const int64_t *ids, int64_t n,
+int ggml_vrows(int t, const uint8_t *codes, const uint8_t *scales, int64_t K, const int64_t *ids, int64_t n,
                float *out) {
     int BK = vblock(t), nib = nibble_type(t);
     int64_t nbk = K / BK;
@@ -661,7 +676,8 @@ int ggml_vrows(int t, const uint8_t *codes, const float *scales, int64_t K, cons
                 if (t == Q4_0) q -= 8;
             } else q = (int8_t)codes[(tile * (K / 2) + k / 2) * 32 + r * 2 + k % 2];
             int64_t b = k / BK;
-            float dd = scales[(tile * nbk + b) * 32 + r], mm = scales[(tile * nbk + b) * 32 + 16 + r];
+            const uint8_t *sb = scales + (tile * nbk + b) * sblock(t);
+            float dd = sget(t, sb, (int)r), mm = has_min(t) ? sget(t, sb, 16 + (int)r) : 0.f;
             float v = (t == Q8_0) ? (float)q * dd : dd * (float)q;
             out[i * K + k] = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K) ? v + mm : v;
         }
@@ -678,6 +694,12 @@ AVXBF static inline __m512bh byte_bf16(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(b, a);  /* words 0-15: a (pairs of rows 0-7), 16-31: b */
 }
 
+/* The 16 d (which 0) or 16 m (which 1) of one (tile, block) as fp32. */
+AVXBF static inline __m512 sload(int t, const uint8_t *sb, int which) {
+    if (half_scales(t)) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32 * which)));
+    return _mm512_loadu_ps((const float *)(sb + 64 * which));
+}
+
 /* One tile of 16 weight rows against mt <= VM activation rows; x: bf16 rows (stride K), xs: per-row block sums.
    Four partial sums per row and block (pair groups taken in turn), added in a fixed order at the block's end: the
    dot products do not wait on each other, and the order is the same whatever mt is. */
@@ -685,7 +707,7 @@ AVXBF static inline __m512 bcast_pair(const uint16_t *p) {
     return _mm512_broadcastss_ps(_mm_load_ss((const float *)p));
 }
 
-AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8_t *codes, const float *scales,
+AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8_t *codes, const uint8_t *scales,
                                                               int64_t tile, const uint16_t *x, const float *xs,
                                                               int64_t mt, int64_t K, void *y, int y_bf16,
                                                               int64_t ldy, int64_t n0, int64_t N) {
@@ -728,8 +750,8 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
                     S[i][g] = _mm512_dpbf16_ps(S[i][g], q, (__m512bh)bcast_pair(x + i * K + k));
             }
         }
-        __m512 d = _mm512_loadu_ps(scales + (tile * nbk + b) * 32);
-        __m512 m = _mm512_loadu_ps(scales + (tile * nbk + b) * 32 + 16);
+        __m512 d = sload(t, scales + (tile * nbk + b) * sblock(t), 0);
+        __m512 m = hasm ? sload(t, scales + (tile * nbk + b) * sblock(t), 1) : d;
         for (int i = 0; i < mt; i++) {
             __m512 s = _mm512_add_ps(_mm512_add_ps(S[i][0], S[i][1]), _mm512_add_ps(S[i][2], S[i][3]));
             acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
@@ -746,7 +768,7 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
 
 /* vtile instantiated per type and per row count (1..VM), so that its partial sums live in registers. */
 #define VT(T, MT) vtile(T, codes, scales, tile, x, xs, MT, K, y, y_bf16, ldy, n0, N)
-#define VTYPE(T) AVXBF static void vtile_##T(const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x, \
+#define VTYPE(T) AVXBF static void vtile_##T(const uint8_t *codes, const uint8_t *scales, int64_t tile, const uint16_t *x, \
                                              const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, \
                                              int64_t n0, int64_t N) { \
     switch (mt) { case 1: VT(T, 1); return; case 2: VT(T, 2); return; case 3: VT(T, 3); return; default: VT(T, 4); } }
@@ -754,7 +776,7 @@ VTYPE(Q4_0) VTYPE(Q4_1) VTYPE(Q5_0) VTYPE(Q5_1) VTYPE(Q8_0) VTYPE(Q4_K) VTYPE(Q5
 #undef VTYPE
 #undef VT
 
-AVXBF static void vtile_any(int t, const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x,
+AVXBF static void vtile_any(int t, const uint8_t *codes, const uint8_t *scales, int64_t tile, const uint16_t *x,
                             const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0,
                             int64_t N) {
     switch (t) {
@@ -841,7 +863,7 @@ AMX static inline __attribute__((always_inline)) void conv_block(int t, const ui
 
 /* One tile of 16 weight rows against mt <= 16 activation rows. bfull NULL: each block's B tile is converted into
    bbuf as it is needed; else bfull holds every block's (converted once for all of a long pass's row tiles). */
-AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t *codes, const float *scales,
+AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t *codes, const uint8_t *scales,
                                                             int64_t tile, const uint16_t *x, const float *xs,
                                                             int64_t mt, int64_t K, void *y, int y_bf16,
                                                             int64_t ldy, int64_t n0, int64_t N, uint16_t *bbuf,
@@ -857,8 +879,8 @@ AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t
         _tile_loadd(2, bt, 64);
         _tile_dpbf16ps(0, 1, 2);
         _tile_stored(0, cbuf, 64);
-        __m512 d = _mm512_loadu_ps(scales + (tile * nbk + b) * 32);
-        __m512 m = _mm512_loadu_ps(scales + (tile * nbk + b) * 32 + 16);
+        __m512 d = sload(t, scales + (tile * nbk + b) * sblock(t), 0);
+        __m512 m = hasm ? sload(t, scales + (tile * nbk + b) * sblock(t), 1) : d;
         for (int i = 0; i < mt; i++) {
             acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(cbuf + 16 * i), acc[i]);
             if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
@@ -874,7 +896,7 @@ AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t
 
 /* Every row tile of the pass against one weight tile (the weights' B tiles converted once when there are
    several row tiles). */
-AMX static inline __attribute__((always_inline)) void atile_rows(int t, const uint8_t *codes, const float *scales,
+AMX static inline __attribute__((always_inline)) void atile_rows(int t, const uint8_t *codes, const uint8_t *scales,
                                                                  int64_t tile, const uint16_t *x, const float *xs,
                                                                  int64_t M, int64_t K, void *y, int y_bf16,
                                                                  int64_t ldy, int64_t N, uint16_t *bbuf,
@@ -895,7 +917,7 @@ AMX static inline __attribute__((always_inline)) void atile_rows(int t, const ui
     }
 }
 
-AMX static void atile_any(int t, const uint8_t *codes, const float *scales, int64_t tile, const uint16_t *x,
+AMX static void atile_any(int t, const uint8_t *codes, const uint8_t *scales, int64_t tile, const uint16_t *x,
                           const float *xs, int64_t M, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t N,
                           uint16_t *bbuf, uint16_t *bfull, float *cbuf, __m512 *acc, int *cfg_rows) {
     switch (t) {
@@ -906,7 +928,7 @@ AMX static void atile_any(int t, const uint8_t *codes, const float *scales, int6
     }
 }
 
-AMX static int amx_linear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, const float *xs,
+AMX static int amx_linear(const uint16_t *x, int t, const uint8_t *codes, const uint8_t *scales, const float *xs,
                           int64_t M, int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
     int64_t tiles = (N + 15) / 16;
     int failed = 0;
@@ -933,7 +955,7 @@ AMX static int amx_linear(const uint16_t *x, int t, const uint8_t *codes, const 
 
 /* y (fp32 or bf16, row stride ldy) = x (bf16 [M, K]) @ W^T from the repacked form. 0; -1 bad sizes; -2 no memory;
    -3 this CPU lacks AVX512-BF16. */
-int ggml_vlinear(const uint16_t *x, int t, const uint8_t *codes, const float *scales, int64_t M, int64_t N,
+int ggml_vlinear(const uint16_t *x, int t, const uint8_t *codes, const uint8_t *scales, int64_t M, int64_t N,
                  int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads) {
     if (!ggml_vsupported()) return -3;
     int64_t cb, sf;
