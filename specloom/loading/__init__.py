@@ -211,15 +211,14 @@ def load_tokenizer(name: str) -> Tokenizer:
 
 
 def _ships_blocks(source: ModelSource, dtype: torch.dtype, device: torch.device, kernel: str) -> bool:
-    """Whether to hold a GGUF target's blocks as shipped: a bf16 (or fp16) model on a CPU where the GGML kernel
-    builds, with the kernel left to the choice (`auto`) or named (`ggml`; an error where it cannot run)."""
+    """Whether to hold a GGUF target's blocks as shipped: on a CPU where the GGML kernel builds, a bf16 (or fp16)
+    model with the kernel left to the choice (`auto`), or any dtype with the kernel named (`ggml`; an error where
+    it cannot run). An fp32 model keeps the dequantised reference unless `ggml` is named."""
     from ..models import ggml_linear
 
     if kernel == "ggml":
         why = ("the model is not a GGUF file" if source.kind != "gguf" else
                f"it runs on the CPU, not {device.type}" if device.type != "cpu" else
-               "it runs bf16/fp16 activations (--dtype fp32 runs the dequantised reference)"
-               if dtype == torch.float32 else
                f"the GGML kernel is unavailable here: {ggml_linear.unavailable_reason()}"
                if not ggml_linear.available() else None)
         if why is not None:
@@ -282,6 +281,10 @@ def load_target(
         model.kernel_choice = choice
     tokenizer = _tokenizer(source, config)
     model.source = source
+    if source.kind == "gguf":
+        from .gguf_file import release_pages
+
+        release_pages(source.path)
     log.info("loaded %s (%s, %s, %s) in %.1fs", name, config.model_type, str(dt).replace("torch.", ""), dev,
              time.perf_counter() - t0)
     return model, tokenizer

@@ -148,22 +148,16 @@ class GGUFFormat:
         from ..models.ggml_linear import KERNEL_TYPES
 
         blocks, k = gguf_blocks(tensors["weight"])
-        return Quantized(self.name, {"blocks0": blocks.to(device)},
+        return Quantized(self.name, {"blocks0": blocks},
                          {"types": [KERNEL_TYPES[tensors["weight"].type_name]], "in_features": k,
                           "rows": blocks.shape[0]}, self)
 
     def cat(self, parts: list[Quantized], name: str) -> Quantized:
-        """Projections fused into one linear (q/k/v, gate/up): their blocks stacked, a segment per type run."""
+        """Projections fused into one linear (q/k/v, gate/up): their blocks kept as segments (views of the file,
+        not copied); the kernel module runs consecutive segments of one type as one weight."""
         if any(p.meta["in_features"] != parts[0].meta["in_features"] for p in parts):
             raise SpecloomError(f"malformed checkpoint: the parts of {name} have different input sizes")
-        segs: list[tuple[torch.Tensor, int]] = []
-        for p in parts:
-            for i, t in enumerate(p.meta["types"]):
-                w = p.q[f"blocks{i}"]
-                if segs and segs[-1][1] == t:
-                    segs[-1] = (torch.cat([segs[-1][0], w]), t)
-                else:
-                    segs.append((w, t))
+        segs = [(p.q[f"blocks{i}"], t) for p in parts for i, t in enumerate(p.meta["types"])]
         return Quantized(self.name, {f"blocks{i}": w for i, (w, _) in enumerate(segs)},
                          {"types": [t for _, t in segs], "in_features": parts[0].meta["in_features"],
                           "rows": sum(w.shape[0] for w, _ in segs)}, self)

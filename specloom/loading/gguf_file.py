@@ -54,6 +54,15 @@ def _reader_cached(path: str, size: int, mtime_ns: int) -> GGUFFile:
         raise SpecloomError(f"{path}: not a readable GGUF file ({e})") from None
 
 
+def release_pages(path: str) -> None:
+    """Drop the file's pages from this process's resident set once its weights are loaded (they were copied,
+    repacked or dequantised; a weight held as shipped on a host without the repacked path reads them again from
+    the page cache when it runs)."""
+    st = os.stat(path)
+    r = _reader_cached(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    r.release_pages()
+
+
 def _reader(path: str) -> GGUFFile:
     """One parsed file per path and process (metadata parsed, tensors memory-mapped)."""
     st = os.stat(path)
@@ -227,8 +236,14 @@ def gguf_blocks(t: GGUFTensor) -> tuple[torch.Tensor, int]:
         raise SpecloomError(f"{t.name}: GGUF {raw.tensor_type.name} data of shape {list(arr.shape)} does not hold "
                             f"{dims[1]} rows of {dims[0]} weights (truncated or malformed)")
     if t.fix is not None:
-        arr = t.fix(arr)
-    return torch.from_numpy(np.array(arr, dtype=np.uint8, order="C", copy=True)), dims[0]
+        arr = np.ascontiguousarray(t.fix(arr))  # a row permutation: a copy
+    if not arr.flags.writeable:  # a view of the file's pages, read only: the kernels only read it
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.from_numpy(arr), dims[0]
+    return torch.from_numpy(arr), dims[0]
 
 
 def gguf_dequantizable(type_name_or_type) -> bool:

@@ -103,6 +103,17 @@ class GGUFFile:
             self.tensors.append(GGUFReaderTensor(name, qtype, np.array(dims, dtype=np.uint64), n_elems, n_bytes,
                                                  at, arr))
 
+    def release_pages(self) -> None:
+        """madvise(MADV_DONTNEED) over the mapping: its pages leave the resident set (read again on access)."""
+        import mmap
+
+        m = getattr(self.data, "_mmap", None)
+        if m is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
+
     # -- the layout --------------------------------------------------------------------------------------------
 
     def _take(self, n: int) -> memoryview:

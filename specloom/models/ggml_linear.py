@@ -138,7 +138,7 @@ def _vfns():
 
             lib = _open(compiler(), "ggml_linear.c")
             P, L, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            sig = {"ggml_vsupported": [], "ggml_vsizes": [I, L, L, P, P], "ggml_vrepack": [I, P, L, L, L, P, P],
+            sig = {"ggml_vsupported": [], "ggml_vsizes": [I, L, L, P, P], "ggml_vrepack": [I, P, L, L, L, L, L, P, P],
                    "ggml_vrows": [I, P, P, L, P, L, P], "ggml_vlinear": [P, I, P, P, L, L, L, P, I, L, I]}
             fns = {}
             for name, args in sig.items():
@@ -198,24 +198,28 @@ class GGMLWeight:
     """One weight of one GGML type, either as shipped (`blocks`: rows x bytes) or repacked for bf16 dot products
     (`codes`, `scales`; see kernels/ggml_linear.c). `rows`/`k`: its shape."""
 
-    def __init__(self, blocks: torch.Tensor, type_id: int, k: int, repack: bool):
-        self.type_id, self.rows, self.k = type_id, blocks.shape[0], k
+    def __init__(self, blocks: torch.Tensor | list[torch.Tensor], type_id: int, k: int, repack: bool):
+        segs = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+        self.type_id, self.rows, self.k = type_id, sum(b.shape[0] for b in segs), k
         self.blocks = self.codes = self.scales = None
         if repack:
             f = _vfns()
             cb, sf = ctypes.c_int64(), ctypes.c_int64()
             if f["ggml_vsizes"](type_id, self.rows, k, ctypes.byref(cb), ctypes.byref(sf)) != 0:
                 raise ValueError(f"GGML type {type_id}: {k} weights per row cannot be repacked")
-            self.codes = _arena.take(cb.value, torch.uint8)
+            self.codes = _arena.take(cb.value, torch.uint8)  # fresh pages: zero
             self.scales = _arena.take(sf.value, torch.uint8)
-            blocks = blocks.contiguous()
-            rc = f["ggml_vrepack"](type_id, blocks.data_ptr(), blocks.shape[1], self.rows, k, self.codes.data_ptr(),
-                                   self.scales.data_ptr())
-            if rc != 0:
-                raise ValueError(f"GGML type {type_id}: rows of {blocks.shape[1]} bytes do not hold {k} weights")
+            row0 = 0
+            for b in segs:  # the parts of a fused projection straight from the file's pages: no copy
+                b = b.contiguous()
+                rc = f["ggml_vrepack"](type_id, b.data_ptr(), b.shape[1], b.shape[0], k, row0, self.rows,
+                                       self.codes.data_ptr(), self.scales.data_ptr())
+                if rc != 0:
+                    raise ValueError(f"GGML type {type_id}: rows of {b.shape[1]} bytes do not hold {k} weights")
+                row0 += b.shape[0]
             self._vlinear, self._codes, self._scales = f["ggml_vlinear"], self.codes.data_ptr(), self.scales.data_ptr()
         else:
-            self.blocks = blocks.contiguous()
+            self.blocks = (segs[0] if len(segs) == 1 else torch.cat(segs)).contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -269,7 +273,15 @@ class GGMLLinear(nn.Module):
         if _load() is None:
             raise RuntimeError(f"the GGML kernel is unavailable: {unavailable_reason()}")
         repack = dtype == torch.bfloat16 and repacked_path()
-        self.ws = [p if isinstance(p, GGMLWeight) else GGMLWeight(p[0], p[1], in_features, repack) for p in parts]
+        runs: list = []  # consecutive parts of one type make one weight (a fused q/k/v of one type: one call)
+        for p in parts:
+            if isinstance(p, GGMLWeight):
+                runs.append(p)
+            elif runs and isinstance(runs[-1], list) and runs[-1][1] == p[1]:
+                runs[-1][0].append(p[0])
+            else:
+                runs.append([[p[0]], p[1]])
+        self.ws = [r if isinstance(r, GGMLWeight) else GGMLWeight(r[0], r[1], in_features, repack) for r in runs]
         self.types = [w.type_id for w in self.ws]
         self.repacked = all(w.blocks is None for w in self.ws)
         self.register_buffer("bias", bias, persistent=False)

@@ -626,20 +626,21 @@ static void row_codes(int t, const uint8_t *b, int64_t K, int *code, float *d, f
     }
 }
 
-/* Repack N rows of blocks (rows past N: zero weights). codes/scales sized by ggml_vsizes. */
-int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, uint8_t *codes, uint8_t *scales) {
+/* Repack N rows of blocks as rows row0 .. row0 + N - 1 of a weight of `total` rows, whose codes/scales (sized by
+   ggml_vsizes for `total`) arrive zeroed (rows past `total` keep zero weights). */
+int ggml_vrepack(int t, const uint8_t *w, int64_t row_bytes, int64_t N, int64_t K, int64_t row0, int64_t total,
+                 uint8_t *codes, uint8_t *scales) {
     int64_t cb, sf;
-    if (ggml_vsizes(t, N, K, &cb, &sf) || row_bytes != K / block_elems(t) * block_bytes(t)) return -1;
+    if (ggml_vsizes(t, total, K, &cb, &sf) || row_bytes != K / block_elems(t) * block_bytes(t) || row0 < 0
+        || row0 + N > total) return -1;
     int BK = vblock(t), nib = nibble_type(t);
     int64_t tiles = (N + 15) / 16, nbk = K / BK;
     int *code = (int *)malloc(K * sizeof(int));
     float *d = (float *)malloc(nbk * 4), *m = (float *)malloc(nbk * 4);
     if (!code || !d || !m) { free(code); free(d); free(m); return -2; }
-    memset(codes, 0, cb);
-    memset(scales, 0, sf);
-    for (int64_t n = 0; n < N; n++) {
-        row_codes(t, w + n * row_bytes, K, code, d, m);
-        int64_t tile = n / 16, r = n % 16;
+    for (int64_t i = 0; i < N; i++) {
+        row_codes(t, w + i * row_bytes, K, code, d, m);
+        int64_t n = row0 + i, tile = n / 16, r = n % 16;
         for (int64_t b = 0; b < nbk; b++) {
             uint8_t *sb = scales + (tile * nbk + b) * sblock(t);
             sput(t, sb, (int)r, d[b]);
