@@ -168,5 +168,5 @@ def test_serve_bad_memory_budget(capsys):
 
 
 def test_serve_budget_too_small():
-    rc, _, err = run_cli("serve", "smollm2-135m", "--memory-budget", "200MiB", "--port", "0")
+    rc, _, err = run_cli("serve", "smollm2-135m", "--memory-budget", "60MiB", "--port", "0")
     assert_clean_error(rc, err, "too small", "target weights")

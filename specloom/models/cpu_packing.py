@@ -167,6 +167,13 @@ def build_kernel(name: str, linear: nn.Linear) -> nn.Module:
     return cls(linear)
 
 
+def compute_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype a linear (any kernel's module) computes in, without touching its weight: a module held as GGUF
+    blocks (models/ggml_linear.py) would dequantise its whole weight to answer `.weight.dtype`."""
+    dt = getattr(module, "dtype", None)
+    return dt if isinstance(dt, torch.dtype) else module.weight.dtype
+
+
 def kernel_of(module: nn.Module) -> str:
     """The kernel name a (replaced) linear runs."""
     return getattr(module, "kernel", "native")

@@ -230,6 +230,10 @@ class GGMLWeight:
     def storage_ptr(self) -> int:
         return (self.blocks if self.blocks is not None else self.codes).data_ptr()
 
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, t) for n, t in (("blocks", self.blocks), ("codes", self.codes), ("scales", self.scales))
+                if t is not None]
+
     def dense(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 weights (rows `ids`, or all): d * code + m, bit for bit the gguf package's dequantisation."""
         if self.blocks is not None:
@@ -282,6 +286,9 @@ class GGMLLinear(nn.Module):
             else:
                 runs.append([[p[0]], p[1]])
         self.ws = [r if isinstance(r, GGMLWeight) else GGMLWeight(r[0], r[1], in_features, repack) for r in runs]
+        for i, w in enumerate(self.ws):  # buffers: counted by memory plans (a tied head shares the embedding's)
+            for name, t in w.tensors():
+                self.register_buffer(f"w{i}_{name}", t, persistent=False)
         self.types = [w.type_id for w in self.ws]
         self.repacked = all(w.blocks is None for w in self.ws)
         self.register_buffer("bias", bias, persistent=False)
@@ -326,6 +333,8 @@ class GGMLEmbedding(nn.Module):
     def __init__(self, blocks: torch.Tensor, type_id: int, dim: int, dtype: torch.dtype):
         super().__init__()
         self.w = GGMLWeight(blocks, type_id, dim, dtype == torch.bfloat16 and repacked_path())
+        for name, t in self.w.tensors():
+            self.register_buffer(f"w_{name}", t, persistent=False)
         self.type_id, self.embedding_dim, self.num_embeddings, self.dtype = type_id, dim, blocks.shape[0], dtype
 
     @property

@@ -24,6 +24,7 @@ from torch import nn
 
 from ...config import RopeScaling
 from ...kv import KVCache, default_kv_dtype
+from ...models.cpu_packing import compute_dtype
 from ...models.context import attention_context
 from ...models.layers import RMSNorm, Rope, apply_rope
 
@@ -222,7 +223,7 @@ class EagleDraftModel(nn.Module):
         """Output hidden -> fp32 logits over the draft vocabulary (the full vocabulary for EAGLE-1)."""
         if self.config.eagle3:
             return self.lm_head(self.norm(h)).float()
-        return self._shared["head"](h.to(self._shared["head"].weight.dtype)).float()
+        return self._shared["head"](h.to(compute_dtype(self._shared["head"]))).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids] if self.config.eagle3 else draft_ids

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import SpecloomError
+from ...models.cpu_packing import compute_dtype
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
 
@@ -85,7 +86,7 @@ class MedusaHeads(nn.ModuleList):
         # heads sharing the target's LM head: one head call over all K rows (it reads the 49k x H weight once)
         y = torch.stack([head(x) for head in self])
         head_lm = self._shared["head"]
-        return head_lm(y.to(head_lm.weight.dtype)).float()
+        return head_lm(y.to(compute_dtype(head_lm))).float()
 
     def target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Head-vocabulary ids -> target token ids (the identity without a token_map)."""

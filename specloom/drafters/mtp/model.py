@@ -24,6 +24,7 @@ from torch import nn
 
 from ...kv import KVCache, default_kv_dtype
 from ...models import FAMILIES
+from ...models.cpu_packing import compute_dtype
 from ...models.context import AttentionContext, attention_context
 from ...models.layers import RMSNorm, Rope
 
@@ -83,7 +84,7 @@ class MTPModel(nn.Module):
         """Module i's output (…, H) -> fp32 logits over the target vocabulary (through the target's head)."""
         t = self._shared["target"]
         x = self.layers[i].shared_head.norm(h)
-        return t.logits(x.to(t.lm_head.weight.dtype))
+        return t.logits(x.to(compute_dtype(t.lm_head)))
 
     def _input(self, i: int, h_prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
