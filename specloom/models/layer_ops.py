@@ -53,12 +53,17 @@ def _fns():
     return norm, rope
 
 
+_ready: list[bool] = []  # [built and checked], once per process
+
+
 def usable(x: torch.Tensor) -> bool:
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) \
-            or x.shape[-1] > 16384:
+    if x.dtype is not torch.bfloat16 or x.is_cuda or (x.requires_grad and torch.is_grad_enabled()) \
+            or x.shape[-1] > 16384 or x.device.type != "cpu":
         return False
-    norm, rope = _fns()
-    return norm is not None and rope is not None
+    if not _ready:
+        norm, rope = _fns()
+        _ready.append(norm is not None and rope is not None)
+    return _ready[0]
 
 
 def rms_norm(x: torch.Tensor, w32: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

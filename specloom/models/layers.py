@@ -121,8 +121,8 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        return self.down_proj.forward(self.act(gate) * up)
 
 
 class Attention(nn.Module):
@@ -142,7 +142,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         B, T, _ = x.shape  # (B, T, H)
         H = self.n_heads
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * self.n_kv, self.head_dim)
+        qkv = self.qkv_proj.forward(x).view(B, T, H + 2 * self.n_kv, self.head_dim)
         qk, v = qkv.split((H + self.n_kv, self.n_kv), dim=2)  # (B, T, H + H_kv, d), (B, T, H_kv, d)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
@@ -160,7 +160,7 @@ class Attention(nn.Module):
         if ctx.invariant and not (torch.is_grad_enabled() and q.requires_grad):  # inference only (no autograd)
             # (B, H, T, d) fp32, each query's bits independent of the pass
             out = invariant_attention.attend(q, keys, values, mask, self.scale)
-            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype))
+            return self.o_proj.forward(out.transpose(1, 2).reshape(B, T, H * self.head_dim).to(x.dtype))
         out = F.scaled_dot_product_attention(
             q.to(keys.dtype), keys, values, attn_mask=mask, is_causal=ctx.causal and mask is None,
             scale=self.scale, enable_gqa=self.n_kv != self.n_heads,

@@ -22,8 +22,11 @@ class LlamaBlock(nn.Module):
         self.mlp = mlp_for(config, layer)  # dense, or the MoE MLP where the config makes the layer sparse
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), ctx))
-        return x + self.mlp(h)
+        # submodules' forward called directly: no hooks are used on them, and nn.Module.__call__ costs ~2 us a
+        # call, ~250 calls a decode step
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn.forward(self.input_layernorm.forward(x), ctx))
+        return x + self.mlp.forward(h)
 
 
 @register_family("llama")
