@@ -187,7 +187,26 @@ def _llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_llama_gguf(hf, path: str, odd_down_proj=None) -> None:
+def _add_blocks(w, name: str, arr: np.ndarray, type_name: str) -> None:
+    """`arr` as a GGUF tensor of GGML type `type_name` (F32 as it is; IQ4_NL, which the gguf package cannot
+    quantize, as random codes with a sane scale)."""
+    import gguf
+
+    if type_name == "F32":
+        w.add_tensor(name, arr)
+        return
+    if type_name == "IQ4_NL":
+        raw = np.random.default_rng(0).integers(0, 256, (arr.shape[0], arr.shape[1] // 32, 18), dtype=np.uint8)
+        raw[:, :, :2] = np.full((arr.shape[0], arr.shape[1] // 32, 1), 0.01, np.float16).view(np.uint8)
+        q = raw.reshape(arr.shape[0], -1)
+    else:
+        q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType[type_name])
+    w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType[type_name])
+
+
+def _write_llama_gguf(hf, path: str, odd_down_proj=None, types: dict | None = None, tied: bool = False) -> None:
+    """A Llama GGUF of `hf`'s weights: F32 with layer 0's down projection Q8_0, or every tensor named in
+    `types` (GGUF short name -> GGML type, `token_embd` included) in that type; `tied`: no output.weight."""
     import gguf
 
     c = hf.config
@@ -203,9 +222,11 @@ def _write_llama_gguf(hf, path: str, odd_down_proj=None) -> None:
     w.add_context_length(c.max_position_embeddings)
     w.add_vocab_size(c.vocab_size)
     sd = {k: v.numpy().astype(np.float32) for k, v in hf.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    types = types or {}
+    _add_blocks(w, "token_embd.weight", sd["model.embed_tokens.weight"], types.get("token_embd", "F32"))
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
-    w.add_tensor("output.weight", sd["lm_head.weight"])
+    if not tied:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
@@ -216,14 +237,13 @@ def _write_llama_gguf(hf, path: str, odd_down_proj=None) -> None:
                 arr = _llama_permute(arr, c.num_attention_heads)
             elif g == "attn_k":
                 arr = _llama_permute(arr, c.num_key_value_heads)
-            if g == "ffn_down" and i == 0:
+            if g == "ffn_down" and i == 0 and not types:
                 if odd_down_proj is not None:
                     w.add_tensor(f"blk.{i}.{g}.weight", odd_down_proj(arr))
-                    continue
-                q = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.Q8_0)
-                w.add_tensor(f"blk.{i}.{g}.weight", q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                else:
+                    _add_blocks(w, f"blk.{i}.{g}.weight", arr, "Q8_0")
                 continue
-            w.add_tensor(f"blk.{i}.{g}.weight", arr)
+            _add_blocks(w, f"blk.{i}.{g}.weight", arr, types.get(g, "F32"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

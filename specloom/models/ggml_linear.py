@@ -46,12 +46,18 @@ def _self_check(fn) -> str | None:
             raw[:, :, 2:4] = g.integers(0, 256, (n, k // blk, 2), dtype=np.uint8)  # codes, not a second scale
         w = torch.from_numpy(raw.reshape(n, -1).copy())
         x = torch.randn(7, k, generator=torch.Generator().manual_seed(0))
-        y = _call(fn, x, [(w, t)], torch.float32)
-        dense = dequantize(w, t, k).double()
-        ref = (x.double() @ dense.T).float()
+        weight = GGMLWeight(w, t, k, repack=False, fn=fn)
+
+        def run(rows):
+            y = torch.empty(rows.shape[0], n)
+            weight.matmul_into(rows, y, 0)
+            return y
+
+        y = run(x)
+        ref = (x.double() @ dequantize(w, t, k).double().T).float()
         if not torch.allclose(y, ref, atol=1e-4, rtol=1e-4):
             return f"self-check: max error {(y - ref).abs().max().item():.2e}"
-        if not all(torch.equal(_call(fn, x[i:i + 1], [(w, t)], torch.float32)[0], y[i]) for i in range(7)):
+        if not all(torch.equal(run(x[i:i + 1])[0], y[i]) for i in range(7)):
             return "self-check: a row alone differs from the same row in a batch"
     return None
 
@@ -91,23 +97,6 @@ def has_kernel(type_name: str) -> bool:
 
 FORCE_AVX2 = False  # tests: run the AVX2 path on an AVX-512 host (the same bits, by construction)
 REPACK = True  # tests: False keeps the blocks as shipped on an AVX512-BF16 host too
-
-
-def _call(fn, x: torch.Tensor, parts: list[tuple[torch.Tensor, int]], out_dtype: torch.dtype) -> torch.Tensor:
-    """y (M, sum of the parts' rows) in `out_dtype` (fp32 or bf16) for x (M, K) fp32 or bf16, contiguous."""
-    m, k = x.shape
-    n = sum(w.shape[0] for w, _ in parts)
-    y = torch.empty(m, n, dtype=out_dtype)
-    es, at = y.element_size(), 0
-    for w, t in parts:
-        rc = fn(x.data_ptr(), int(x.dtype == torch.bfloat16), w.data_ptr(), t, w.shape[1], y.data_ptr() + at * es,
-                int(out_dtype == torch.bfloat16), n, m, w.shape[0], k, torch.get_num_threads(), int(FORCE_AVX2))
-        if rc == -2:
-            raise MemoryError("ggml linear kernel: could not allocate its buffers")
-        if rc != 0:
-            raise ValueError(f"ggml linear kernel: GGML type {t} with rows of {w.shape[1]} bytes does not fit K={k}")
-        at += w.shape[0]
-    return y
 
 
 def dequantize(blocks: torch.Tensor, type_id: int, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,7 +187,8 @@ class GGMLWeight:
     """One weight of one GGML type, either as shipped (`blocks`: rows x bytes) or repacked for bf16 dot products
     (`codes`, `scales`; see kernels/ggml_linear.c). `rows`/`k`: its shape."""
 
-    def __init__(self, blocks: torch.Tensor | list[torch.Tensor], type_id: int, k: int, repack: bool):
+    def __init__(self, blocks: torch.Tensor | list[torch.Tensor], type_id: int, k: int, repack: bool, fn=None):
+        self._fn = fn  # the blocks' kernel (None: the loaded one; the self-check passes the one it checks)
         segs = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
         self.type_id, self.rows, self.k = type_id, sum(b.shape[0] for b in segs), k
         self.blocks = self.codes = self.scales = None
@@ -255,7 +245,7 @@ class GGMLWeight:
             rc = self._vlinear(xp, self.type_id, self._codes, self._scales, m, self.rows, self.k, yp, ybf, ldy,
                                torch.get_num_threads())
         else:
-            rc = _load()(xp, x_bf16, self.blocks.data_ptr(), self.type_id, self.blocks.shape[1], yp, ybf, ldy, m,
+            rc = (self._fn or _load())(xp, x_bf16, self.blocks.data_ptr(), self.type_id, self.blocks.shape[1], yp, ybf, ldy, m,
                          self.rows, self.k, torch.get_num_threads(), int(FORCE_AVX2))
         if rc == -2:
             raise MemoryError("ggml linear kernel: could not allocate its buffers")

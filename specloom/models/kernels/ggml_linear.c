@@ -379,68 +379,6 @@ AVX512 static void deqv_any(int t, const uint8_t *row, float *o, int64_t K) {
     }
 }
 
-/* Several rows of x (a verification pass, a prefill tile of up to MT rows) against NB weight rows, the weights
-   dequantised KC at a time into an L1-sized buffer and the partial sums kept in `acc` (mt * NB registers' worth)
-   between chunks: each lane still sums its k in increasing order, so the bits are those of the fused path. */
-#define KC 128
-AVX512 static inline __attribute__((always_inline)) void chunked512(int t, const uint8_t *w, int64_t row_bytes,
-                                                                    int nb, const float *x, int64_t mt, int64_t K,
-                                                                    void *y, int y_bf16, int64_t ldy, int64_t n0,
-                                                                    float *wbuf, __m512 *acc) {
-    for (int64_t i = 0; i < mt * NB; i++) acc[i] = _mm512_setzero_ps();
-    for (int r = nb; r < NB; r++) memset(wbuf + r * KC, 0, KC * 4);
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int r = 0; r < nb; r++)
-            for (int64_t u = k0 / 32; u < (k0 + kc) / 32; u++) {
-                __m512 lo, hi;
-                unit512(t, w + (n0 + r) * row_bytes, u, &lo, &hi);
-                _mm512_store_ps(wbuf + r * KC + (u * 32 - k0), lo);
-                _mm512_store_ps(wbuf + r * KC + (u * 32 - k0) + 16, hi);
-            }
-        int64_t m = 0;
-        for (; m + 4 <= mt; m += 4)
-            for (int r0 = 0; r0 < nb; r0 += 4) {
-                __m512 C[4][4];
-                for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) C[i][r] = acc[(m + i) * NB + r0 + r];
-                const float *x0 = x + m * K + k0;
-                for (int64_t k = 0; k < kc; k += 16) {
-                    __m512 v0 = _mm512_loadu_ps(x0 + k), v1 = _mm512_loadu_ps(x0 + K + k);
-                    __m512 v2 = _mm512_loadu_ps(x0 + 2 * K + k), v3 = _mm512_loadu_ps(x0 + 3 * K + k);
-                    for (int r = 0; r < 4; r++) {
-                        __m512 q = _mm512_load_ps(wbuf + (r0 + r) * KC + k);
-                        C[0][r] = _mm512_fmadd_ps(q, v0, C[0][r]);
-                        C[1][r] = _mm512_fmadd_ps(q, v1, C[1][r]);
-                        C[2][r] = _mm512_fmadd_ps(q, v2, C[2][r]);
-                        C[3][r] = _mm512_fmadd_ps(q, v3, C[3][r]);
-                    }
-                }
-                for (int i = 0; i < 4; i++) for (int r = 0; r < 4; r++) acc[(m + i) * NB + r0 + r] = C[i][r];
-            }
-        for (; m < mt; m++) {
-            __m512 A[NB];
-            for (int r = 0; r < NB; r++) A[r] = acc[m * NB + r];
-            const float *xm = x + m * K + k0;
-            for (int64_t k = 0; k < kc; k += 16) {
-                __m512 v = _mm512_loadu_ps(xm + k);
-                for (int r = 0; r < NB; r++) A[r] = _mm512_fmadd_ps(_mm512_load_ps(wbuf + r * KC + k), v, A[r]);
-            }
-            for (int r = 0; r < NB; r++) acc[m * NB + r] = A[r];
-        }
-    }
-    for (int64_t m = 0; m < mt; m++)
-        for (int r = 0; r < nb; r++) store(y, y_bf16, m * ldy + n0 + r, hsum16(acc[m * NB + r]));
-}
-
-AVX512 static void chunked_any(int t, const uint8_t *w, int64_t row_bytes, int nb, const float *x, int64_t mt,
-                               int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0, float *wbuf, __m512 *acc) {
-    switch (t) {
-#define CASE(T) case T: chunked512(T, w, row_bytes, nb, x, mt, K, y, y_bf16, ldy, n0, wbuf, acc); return;
-    CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q8_0) CASE(Q4_K) CASE(Q6_K)
-#undef CASE
-    }
-}
-
 static int use512(void) {
     static int v = -1;
     if (v < 0) v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? 1 : 0;
@@ -469,9 +407,8 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
     int64_t nblocks = (N + NB - 1) / NB;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *wbuf = (float *)aligned_alloc(64, (size_t)NB * (K > KC ? K : KC) * 4);
-        void *acc = aligned_alloc(64, (size_t)MT * NB * 64);
-        if (!wbuf || !acc) {
+        float *wbuf = (float *)aligned_alloc(64, (size_t)NB * K * 4);
+        if (!wbuf) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -479,16 +416,11 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
             int64_t mt = M - m0 < MT ? M - m0 : MT;
 #pragma omp for schedule(static)
             for (int64_t blk = 0; blk < nblocks; blk++) {
-                if (!wbuf || !acc) continue;
+                if (!wbuf) continue;
                 int64_t n0 = blk * NB;
                 int nb = (int)(N - n0 < NB ? N - n0 : NB);
                 if (wide && fast && M <= 2) {
                     fused_any(t, w, row_bytes, nb, xf, M, K, y, y_bf16, ldy, n0);
-                    continue;
-                }
-                if (wide && fast) {
-                    chunked_any(t, w, row_bytes, nb, xf + m0 * K, mt, K, (char *)y + m0 * ldy * (y_bf16 ? 2 : 4),
-                                y_bf16, ldy, n0, wbuf, (__m512 *)acc);
                     continue;
                 }
                 for (int r = 0; r < nb; r++) {
@@ -503,7 +435,6 @@ int ggml_linear(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_
             }
         }
         free(wbuf);
-        free(acc);
     }
     if (x_bf16) free(xf);
     return failed ? -2 : 0;
@@ -701,6 +632,39 @@ AVXBF static inline __m512 sload(int t, const uint8_t *sb, int which) {
     return _mm512_loadu_ps((const float *)(sb + 64 * which));
 }
 
+/* The bf16 bits of a nibble type's code values (0..15, minus 8 for Q4_0): small integers, exact in bf16. */
+AVXBF static inline __m512i nib_lut(int t) {
+    uint16_t tab[32];
+    for (int i = 0; i < 32; i++) {
+        float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));
+        uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);
+    }
+    return _mm512_loadu_si512(tab);
+}
+
+/* The end of block b for mt rows, one copy for both repacked paths: acc += d * S (+ m * the block's sum of x). */
+AVXBF static inline __attribute__((always_inline)) void block_end(int t, const uint8_t *sb, const __m512 *S,
+                                                                  const float *xs, int64_t nbk, int64_t b,
+                                                                  int64_t mt, __m512 *acc) {
+    int hasm = has_min(t);
+    __m512 d = sload(t, sb, 0), m = hasm ? sload(t, sb, 1) : d;
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm512_fmadd_ps(d, S[i], acc[i]);
+        if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+    }
+}
+
+/* 16 outputs per row (fewer on the last tile) from the accumulators. */
+AVXBF static inline void store_tile(const __m512 *acc, int64_t mt, void *y, int y_bf16, int64_t ldy, int64_t n0,
+                              int64_t N) {
+    int64_t nn = N - n0 < 16 ? N - n0 : 16;
+    for (int i = 0; i < mt; i++) {
+        float o[16];
+        memcpy(o, &acc[i], 64);
+        for (int r = 0; r < nn; r++) store(y, y_bf16, i * ldy + n0 + r, o[r]);
+    }
+}
+
 /* One tile of 16 weight rows against mt <= VM activation rows; x: bf16 rows (stride K), xs: per-row block sums.
    Four partial sums per row and block (pair groups taken in turn), added in a fixed order at the block's end: the
    dot products do not wait on each other, and the order is the same whatever mt is. */
@@ -712,20 +676,11 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
                                                               int64_t tile, const uint16_t *x, const float *xs,
                                                               int64_t mt, int64_t K, void *y, int y_bf16,
                                                               int64_t ldy, int64_t n0, int64_t N) {
-    int BK = vblock(t), nib = nibble_type(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
+    int BK = vblock(t), nib = nibble_type(t);
     int64_t nbk = K / BK;
-    __m512 acc[VM], S[VM][4];
+    __m512 acc[VM], S[VM][4], sum[VM];
     for (int i = 0; i < VM; i++) acc[i] = _mm512_setzero_ps();
-    __m512i lut;
-    {
-        uint16_t tab[32];
-        for (int i = 0; i < 32; i++) {
-            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));
-            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);  /* small integers: exact in bf16 */
-        }
-        lut = _mm512_loadu_si512(tab);
-    }
-    const __m512i m4 = _mm512_set1_epi16(15);
+    const __m512i lut = nib_lut(t), m4 = _mm512_set1_epi16(15);
     for (int64_t b = 0; b < nbk; b++) {
         for (int i = 0; i < mt; i++) for (int c = 0; c < 4; c++) S[i][c] = _mm512_setzero_ps();
         int64_t k0 = b * BK;
@@ -751,20 +706,11 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
                     S[i][g] = _mm512_dpbf16_ps(S[i][g], q, (__m512bh)bcast_pair(x + i * K + k));
             }
         }
-        __m512 d = sload(t, scales + (tile * nbk + b) * sblock(t), 0);
-        __m512 m = hasm ? sload(t, scales + (tile * nbk + b) * sblock(t), 1) : d;
-        for (int i = 0; i < mt; i++) {
-            __m512 s = _mm512_add_ps(_mm512_add_ps(S[i][0], S[i][1]), _mm512_add_ps(S[i][2], S[i][3]));
-            acc[i] = _mm512_fmadd_ps(d, s, acc[i]);
-            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
-        }
+        for (int i = 0; i < mt; i++)
+            sum[i] = _mm512_add_ps(_mm512_add_ps(S[i][0], S[i][1]), _mm512_add_ps(S[i][2], S[i][3]));
+        block_end(t, scales + (tile * nbk + b) * sblock(t), sum, xs, nbk, b, mt, acc);
     }
-    int64_t nn = N - n0 < 16 ? N - n0 : 16;
-    for (int i = 0; i < mt; i++) {
-        float o[16];
-        _mm512_storeu_ps(o, acc[i]);
-        for (int r = 0; r < nn; r++) store(y, y_bf16, i * ldy + n0 + r, o[r]);
-    }
+    store_tile(acc, mt, y, y_bf16, ldy, n0, N);
 }
 
 /* vtile instantiated per type and per row count (1..VM), so that its partial sums live in registers. */
@@ -840,12 +786,7 @@ AMX static inline __attribute__((always_inline)) void conv_block(int t, const ui
     int BK = vblock(t);
     int64_t k0 = b * BK;
     if (nibble_type(t)) {
-        uint16_t tab[32];
-        for (int i = 0; i < 32; i++) {
-            float f = (float)((i & 15) - (t == Q4_0 ? 8 : 0));  /* small integers: exact in bf16 */
-            uint32_t u; memcpy(&u, &f, 4); tab[i] = (uint16_t)(u >> 16);
-        }
-        const __m512i lut = _mm512_loadu_si512(tab), m4 = _mm512_set1_epi16(15);
+        const __m512i lut = nib_lut(t), m4 = _mm512_set1_epi16(15);
         for (int64_t k = k0, p = 0; k < k0 + BK; k += 4, p += 2) {
             const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
             if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
@@ -869,8 +810,9 @@ AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t
                                                             int64_t mt, int64_t K, void *y, int y_bf16,
                                                             int64_t ldy, int64_t n0, int64_t N, uint16_t *bbuf,
                                                             const uint16_t *bfull, float *cbuf, __m512 *acc) {
-    int BK = vblock(t), hasm = (t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K);
+    int BK = vblock(t);
     int64_t nbk = K / BK;
+    __m512 sum[16];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nbk; b++) {
         const uint16_t *bt = bfull ? bfull + b * (BK / 2) * 32 : bbuf;
@@ -880,19 +822,10 @@ AMX static inline __attribute__((always_inline)) void atile(int t, const uint8_t
         _tile_loadd(2, bt, 64);
         _tile_dpbf16ps(0, 1, 2);
         _tile_stored(0, cbuf, 64);
-        __m512 d = sload(t, scales + (tile * nbk + b) * sblock(t), 0);
-        __m512 m = hasm ? sload(t, scales + (tile * nbk + b) * sblock(t), 1) : d;
-        for (int i = 0; i < mt; i++) {
-            acc[i] = _mm512_fmadd_ps(d, _mm512_load_ps(cbuf + 16 * i), acc[i]);
-            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
-        }
+        for (int i = 0; i < mt; i++) sum[i] = _mm512_load_ps(cbuf + 16 * i);
+        block_end(t, scales + (tile * nbk + b) * sblock(t), sum, xs, nbk, b, mt, acc);
     }
-    int64_t nn = N - n0 < 16 ? N - n0 : 16;
-    for (int i = 0; i < mt; i++) {
-        float o[16];
-        _mm512_storeu_ps(o, acc[i]);
-        for (int r = 0; r < nn; r++) store(y, y_bf16, i * ldy + n0 + r, o[r]);
-    }
+    store_tile(acc, mt, y, y_bf16, ldy, n0, N);
 }
 
 /* Every row tile of the pass against one weight tile (the weights' B tiles converted once when there are
