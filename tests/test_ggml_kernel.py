@@ -310,3 +310,66 @@ def test_real_smollm2_as_shipped_speculates_exactly():
             b = engine.generate(p, chat=True, max_tokens=40)
             assert b.token_ids == a.token_ids, (spec, p)
             assert b.num_target_passes < a.num_target_passes
+
+
+# -- the decoder layers in one C call (models/fused_stack.py) ---------------------------------------------------------
+
+from specloom.models import fused_stack  # noqa: E402
+
+_RUN = fused_stack.run
+
+
+def _passes(model, monkeypatch, fused: bool, rows: int = 1):
+    """Logits and captures of a prefill, three decode steps and a tree-masked pass, with the fused stack on or
+    off; also which passes the fused stack ran."""
+    monkeypatch.setenv("SPECLOOM_FUSED_STACK", "1" if fused else "0")
+    ran, real = [], _RUN
+
+    def counted(*a):
+        out = real(*a)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused_stack, "run", counted)
+    g = torch.Generator().manual_seed(0)
+    V, L = model.config.vocab_size, model.config.num_layers
+    kv, outs = model.new_kv(64, batch=rows), []
+    with torch.inference_mode():
+        o = model(torch.randint(0, V, (rows, 12), generator=g), torch.arange(12).expand(rows, 12), kv,
+                  capture=(1, L - 1, -1))
+        kv.commit()
+        outs += [o.logits, *o.hidden.values()]
+        for step in range(3):
+            o = model(torch.randint(0, V, (rows, 1), generator=g), torch.full((rows, 1), 12 + step), kv, num_logits=1)
+            kv.commit()
+            outs.append(o.logits)
+        mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+        o = model(torch.randint(0, V, (rows, 4), generator=g), torch.tensor([[15, 16, 16, 17]]).expand(rows, 4), kv,
+                  attn_mask=mask, capture=(2,))
+        outs += [o.logits, o.hidden[2]]
+    return outs, ran
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_fused_stack_is_the_layers_bit_for_bit(kinds, path, rows, both_paths, monkeypatch):
+    """The C layer loop computes what the layers compute, bit for bit: prefill with captures, decode steps, a
+    tree-masked pass, one row and two; and it does run (and does not where it is switched off)."""
+    ggml_linear.REPACK = path == "repacked"
+    model = as_shipped(kinds[0].model)
+    want, ran_off = _passes(model, monkeypatch, fused=False, rows=rows)
+    got, ran_on = _passes(model, monkeypatch, fused=True, rows=rows)
+    assert not any(ran_off) and all(ran_on) and len(ran_on) == 5
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_fused_stack_stays_out_where_it_cannot_run(kinds, monkeypatch):
+    """A dense target, an fp32 one and a quantized KV store take the layers one by one (same results as before)."""
+    calls = []
+    monkeypatch.setattr(fused_stack, "run", lambda *a: calls.append(_RUN(*a)) or calls[-1])
+    model = kinds[0].model
+    with torch.inference_mode():
+        for m, kv_type in ((copy.deepcopy(model).bfloat16(), None), (as_shipped(model, torch.float32), None),
+                           (as_shipped(model), "int8")):
+            m(torch.arange(3, 9)[None], torch.arange(6)[None], m.new_kv(16, kv_type))
+    assert calls == [None, None, None]

@@ -1,4 +1,4 @@
-"""RMSNorm (with the residual add fused in) and RoPE for bf16 inference on CPUs, one C call each
+"""RMSNorm (with the residual add fused in), RoPE and the gated MLP's silu(gate) * up for bf16 inference on CPUs, one C call each
 (kernels/layer_ops.c) instead of PyTorch's 5-9 small ops: a decode step of SmolLM2-135M makes ~60 norms and 30
 RoPEs, and at ~25 us per eager RMSNorm those were ~1.5 ms of a ~18 ms step (issue 37, "a lean step").
 
@@ -19,6 +19,7 @@ from .native import load_kernel
 
 _norm: dict = {}
 _rope: dict = {}
+_silu: dict = {}
 P, L = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -47,10 +48,20 @@ def _check_rope(fn) -> str | None:
     return None if torch.equal(y, ref) else "self-check: rope differs from layers.apply_rope"
 
 
+def _check_silu(fn) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    gu = (torch.randn(3, 2, 40, generator=g) * 4).bfloat16()
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    fn(gu.data_ptr(), 3, 40, out.data_ptr())
+    ref = torch.nn.functional.silu(gu[:, 0].float()) * gu[:, 1].float()
+    return None if torch.allclose(out.float(), ref, atol=1e-2, rtol=1e-2) else "self-check: silu_mul differs"
+
+
 def _fns():
     norm = load_kernel(_norm, "layer_ops.c", "rms_norm_bf16", [P, P, P, P, P, L, L, ctypes.c_float], _check_norm)
     rope = load_kernel(_rope, "layer_ops.c", "rope_bf16", [P, L, L, L, L, P, P], _check_rope)
-    return norm, rope
+    silu = load_kernel(_silu, "layer_ops.c", "silu_mul_bf16", [P, L, L, P], _check_silu)
+    return norm, rope, silu
 
 
 _ready: list[bool] = []  # [built and checked], once per process
@@ -61,8 +72,7 @@ def usable(x: torch.Tensor) -> bool:
             or x.shape[-1] > 16384 or x.device.type != "cpu":
         return False
     if not _ready:
-        norm, rope = _fns()
-        _ready.append(norm is not None and rope is not None)
+        _ready.append(all(f is not None for f in _fns()))
     return _ready[0]
 
 
@@ -79,6 +89,20 @@ def rms_norm(x: torch.Tensor, w32: torch.Tensor, eps: float, residual: torch.Ten
     h = torch.empty_like(x)
     fn(x.data_ptr(), residual.data_ptr(), h.data_ptr(), out.data_ptr(), w32.data_ptr(), x.numel() // H, H, eps)
     return h, out
+
+
+def version(t: torch.Tensor) -> int:
+    """t's in-place version counter (0 for an inference tensor, which cannot be changed in place)."""
+    return 0 if t.is_inference() else t._version
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """bf16 silu(gate) * up of a fused gate/up output gu (..., 2I): (..., I)."""
+    I = gu.shape[-1] // 2
+    gu = gu.contiguous()
+    out = torch.empty(*gu.shape[:-1], I, dtype=gu.dtype)
+    _fns()[2](gu.data_ptr(), gu.numel() // (2 * I), I, out.data_ptr())
+    return out
 
 
 def rope_(qkv: torch.Tensor, nrot: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:

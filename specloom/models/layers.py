@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
     def _w32(self) -> torch.Tensor:
         """The weight in fp32 (the C norm's input), kept while the weight is unchanged."""
         w = self.weight
-        key = (w.data_ptr(), w._version)
+        key = (w.data_ptr(), layer_ops.version(w))
         cached = getattr(self, "_w32_cache", None)
         if cached is None or cached[0] != key:
             cached = (key, w.detach().float().contiguous())
@@ -121,7 +121,10 @@ class GatedMLP(nn.Module):
         self.act = _ACTIVATIONS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate, dim=-1)
+        gu = self.gate_up_proj.forward(x)
+        if self.act is F.silu and layer_ops.usable(gu):  # one C call (what the fused decoder stack runs too)
+            return self.down_proj.forward(layer_ops.silu_mul(gu))
+        gate, up = gu.split(self.intermediate, dim=-1)
         return self.down_proj.forward(self.act(gate) * up)
 
 

@@ -14,6 +14,8 @@ from .transformer import DecoderLM, register_family
 
 
 class LlamaBlock(nn.Module):
+    fused_stack = True  # `forward` is what kernels/decoder_stack.c computes (models/fused_stack.py)
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..kv import KVCache, default_kv_dtype
+from . import fused_stack
 from .context import AttentionContext, attention_context
 from .layers import RMSNorm, Rope
 
@@ -139,10 +140,15 @@ class DecoderLM(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         if 0 in want:
             hidden[0] = x
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, ctx)  # (no hooks on layers: nn.Module.__call__'s cost saved)
-            if i + 1 in want and i + 1 < L:
-                hidden[i + 1] = x
+        fused = fused_stack.run(self, x, ctx, want)  # the layer loop in one C call, where it can run
+        if fused is not None:
+            x, more = fused
+            hidden.update(more)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, ctx)  # (no hooks on layers: nn.Module.__call__'s cost saved)
+                if i + 1 in want and i + 1 < L:
+                    hidden[i + 1] = x
         if num_logits is not None and L not in want:
             x = x[:, x.shape[1] - num_logits:]  # skip the norm and head on positions nobody reads
         x = self.norm(x)

@@ -1,0 +1,196 @@
+"""The decoder layers of a bf16 GGUF target in one C call per forward pass (kernels/decoder_stack.c; issue 37,
+"a lean step").
+
+A decode step of SmolLM2-135M runs ~300 small ops; from Python each costs microseconds of dispatch, ~35 % of the
+step once the weights are read as shipped. `run` hands the whole layer loop to C, which calls the same C kernels
+the layers call (GGML linears, RMSNorm, RoPE, silu * up, the batch-invariant attention) in the same order: the
+same bits as the layer-by-layer path (tested), so decode steps, verification passes and prefill chunks may take
+either path and speculative output stays plain output.
+
+It runs where a block declares `fused_stack = True` (models/llama.py: pre-norm attention + gated silu MLP, no q/k
+norm, full attention) and the pass allows: bf16 activations outside autograd, every linear held as GGML blocks
+(models/ggml_linear.py), the invariant attention, an unquantized KV store written at one start slot for all rows.
+Anywhere else `run` returns None and the layers run one by one. `SPECLOOM_FUSED_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from . import ggml_linear, invariant_attention, layer_ops
+from .ggml_linear import GGMLLinear
+from .native import load_kernel
+
+P, L, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+RUNS = 4
+
+
+class _Ops(ctypes.Structure):
+    _fields_ = [(n, P) for n in ("vlinear", "blinear", "norm", "rope", "silu_mul", "attend")]
+
+
+class _Lin(ctypes.Structure):
+    _fields_ = [("n", I), ("type", I * RUNS), ("w", P * RUNS), ("scales", P * RUNS), ("rows", L * RUNS),
+                ("row_bytes", L * RUNS), ("bias", P), ("out", L)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", P), ("norm2", P), ("qkv", _Lin), ("o", _Lin), ("gu", _Lin), ("down", _Lin)]
+
+
+class _Pass(ctypes.Structure):
+    _fields_ = [("B", L), ("T", L), ("Hd", L), ("H", L), ("Hkv", L), ("D", L), ("I", L), ("eps", F), ("scale", F),
+                ("k", P), ("v", P), ("kv_bf16", I), ("lstride", L), ("rstride", L), ("smax", L), ("start", L),
+                ("S", L), ("cos", P), ("sin", P), ("mask", P), ("msb", L), ("mst", L), ("chunk", I),
+                ("threads", I), ("force_avx2", I)]
+
+
+_state: dict = {}
+
+
+def _kernel():
+    if os.environ.get("SPECLOOM_FUSED_STACK", "1") == "0":
+        return None
+    return load_kernel(_state, "decoder_stack.c", "llama_stack", [P, P, I, I, P, P], lambda fn: None)
+
+
+def _addr(fn) -> int | None:
+    return None if fn is None else ctypes.cast(fn, P).value
+
+
+def _ops() -> _Ops | None:
+    if "ops" not in _state:
+        v = ggml_linear._vfns()
+        norm, rope, silu = layer_ops._fns()
+        fns = dict(vlinear=_addr(v["ggml_vlinear"]) if v else None, blinear=_addr(ggml_linear._load()),
+                   norm=_addr(norm), rope=_addr(rope), silu_mul=_addr(silu), attend=_addr(invariant_attention._load()))
+        _state["ops"] = None if any(a is None for k, a in fns.items() if k != "vlinear") else _Ops(**fns)
+    return _state["ops"]
+
+
+def _lin(m, dtype: torch.dtype, keep: list) -> _Lin | None:
+    if type(m) is not GGMLLinear or len(m.ws) > RUNS or m.dtype != dtype:
+        return None
+    if m.bias is not None and m.bias.dtype != dtype:
+        return None
+    d = _Lin(n=len(m.ws), out=m.out_features)
+    for i, w in enumerate(m.ws):
+        d.type[i], d.rows[i] = w.type_id, w.rows
+        if w.blocks is None:
+            if _ops().vlinear is None:
+                return None
+            d.w[i], d.scales[i] = w.codes.data_ptr(), w.scales.data_ptr()
+        else:
+            d.w[i], d.row_bytes[i] = w.blocks.data_ptr(), w.blocks.shape[1]
+    if m.bias is not None:
+        b = m.bias.contiguous()
+        keep.append(b)
+        d.bias = b.data_ptr()
+    return d
+
+
+def _key(model) -> tuple:
+    """What the descriptors were built from: the modules and norm weights (a swapped linear or reloaded norm
+    builds them again)."""
+    out = []
+    for layer in model.layers:
+        m = layer._modules
+        a, mlp = m["self_attn"]._modules, m["mlp"]._modules
+        n1, n2 = m["input_layernorm"]._parameters["weight"], m["post_attention_layernorm"]._parameters["weight"]
+        out += (id(a.get("qkv_proj")), id(a.get("o_proj")), id(mlp.get("gate_up_proj")), id(mlp.get("down_proj")),
+                id(n1), layer_ops.version(n1), id(n2), layer_ops.version(n2))
+    return tuple(out)
+
+
+class _Stack:
+    def __init__(self, model, key: tuple):
+        self.key, self.keep, self.ok = key, [], False
+        c = model.config
+        if not getattr(model.block_cls, "fused_stack", False) or model.layer_kinds != {"full"} \
+                or not invariant_attention.supports(c.head_dim) or c.head_dim > 16384:
+            return
+        layers, dtype = (_Layer * len(model.layers))(), model.dtype
+        eps, scale, inter = set(), set(), set()
+        for i, layer in enumerate(model.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            if at.q_norm is not None or at.kind != "full" or getattr(mlp, "act", None) is not torch.nn.functional.silu:
+                return
+            lins = [_lin(m, dtype, self.keep) for m in (at.qkv_proj, at.o_proj, getattr(mlp, "gate_up_proj", None),
+                                                        getattr(mlp, "down_proj", None))]
+            if any(d is None for d in lins):
+                return
+            layers[i].qkv, layers[i].o, layers[i].gu, layers[i].down = lins
+            for j, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+                w = norm._w32()
+                self.keep.append(w)
+                setattr(layers[i], f"norm{j + 1}", w.data_ptr())
+                eps.add(norm.eps)
+            scale.add(at.scale)
+            inter.add(mlp.intermediate)
+        if len(eps) != 1 or len(scale) != 1 or len(inter) != 1:
+            return
+        self.layers, self.eps, self.scale, self.inter = layers, eps.pop(), scale.pop(), inter.pop()
+        self.heads, self.kv_heads, self.head_dim, self.hidden = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        self.ok = True
+
+
+def _stack(model) -> _Stack | None:
+    if _kernel() is None or _ops() is None:
+        return None
+    key = _key(model)
+    st = model.__dict__.get("_fused_stack")
+    if st is None or st.key != key:
+        st = _Stack(model, key)
+        model.__dict__["_fused_stack"] = st
+    return st if st.ok else None
+
+
+def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, dict] | None:
+    """x (B, T, H) the embedding output -> (the last layer's output, {stop: the output of layer stop - 1}) for the
+    capture ids `stops` (0 < stop < L); None where the pass or the model does not allow it."""
+    kvp = ctx.kv
+    if not ctx.invariant or not layer_ops.usable(x) or not getattr(kvp, "uniform", False):
+        return None
+    store = kvp.kv
+    if store.k_scale is not None or store.k.dtype not in (torch.float32, torch.bfloat16) \
+            or not store.k.is_contiguous() or not store.v.is_contiguous():
+        return None
+    cos, sin = ctx.cos_sin["full"]
+    B, T, _ = x.shape
+    if (B, T) != (kvp.n, kvp.T) or cos.dtype != torch.bfloat16 or not cos.is_contiguous() \
+            or not sin.is_contiguous() or cos.numel() != B * T * model.config.head_dim:
+        return None
+    st = _stack(model)
+    if st is None:
+        return None
+    mask = ctx.masks.get("full")
+    Lyr, R, Hkv, smax, D = store.k.shape
+    es = store.k.element_size()
+    p = _Pass(B=B, T=T, Hd=st.hidden, H=st.heads, Hkv=st.kv_heads, D=st.head_dim, I=st.inter, eps=st.eps,
+              scale=st.scale, kv_bf16=int(store.k.dtype == torch.bfloat16), lstride=R * Hkv * smax * D,
+              rstride=Hkv * smax * D, smax=smax, start=kvp.start, S=kvp.S, cos=cos.data_ptr(), sin=sin.data_ptr(),
+              threads=torch.get_num_threads(), force_avx2=int(ggml_linear.FORCE_AVX2))
+    r0 = kvp.rows[0]
+    p.k = store.k.data_ptr() + r0 * p.rstride * es
+    p.v = store.v.data_ptr() + r0 * p.rstride * es
+    if mask is not None:
+        mask = mask.expand(B, 1, T, kvp.S)
+        if mask.stride(-1) != 1:
+            mask = mask.contiguous()
+        p.mask, p.msb, p.mst = mask.data_ptr(), mask.stride(0), mask.stride(2)
+    p.chunk = invariant_attention._chunk(B * st.heads * T, p.threads)
+    x = x.contiguous().clone()
+    hidden, a, fn = {}, 0, _kernel()
+    for b in [s for s in sorted(set(stops)) if 0 < s < len(model.layers)] + [len(model.layers)]:
+        rc = fn(ctypes.byref(_state["ops"]), st.layers, a, b, ctypes.byref(p), x.data_ptr())
+        if rc == -2:
+            raise MemoryError("decoder stack: could not allocate its buffers")
+        if rc != 0:
+            raise RuntimeError(f"decoder stack: a kernel failed (code {rc})")
+        if b < len(model.layers):
+            hidden[b] = x.clone()
+        a = b
+    return x, hidden

@@ -1,0 +1,154 @@
+/* A run of Llama-family decoder layers in one call (issue 37, "a lean step"): bf16 activations, GGML weights held
+ * as shipped, the batch-invariant attention. A decode step of SmolLM2-135M is ~300 small ops; run from Python
+ * each costs microseconds of dispatch, ~35 % of the step. Here the layer loop is C and every op is the very C
+ * function the Python layers call (their addresses are passed in: one copy of each kernel), in the same order
+ * on the same buffers, so this path computes the same bits as models/llama.py's layers (tested) and stays
+ * batch-invariant: decode steps, verification passes and prefill chunks may take either path.
+ *
+ * Per layer, x [M, Hd] bf16 (M = B * T rows, in place):
+ *   h = norm1(x); qkv = h @ Wqkv^T (+ bias); RoPE on q, k; k, v -> the KV store at slots [start, start + T);
+ *   a = bf16(attention(fp32 q, keys, values, mask)); o = a @ Wo^T (+ bias); x = bf16(x + o); h = norm2(x);
+ *   gu = h @ Wgu^T; s = silu_mul(gate, up); x = bf16(x + s @ Wdown^T).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*vlinear_fn)(const uint16_t *x, int t, const uint8_t *codes, const uint8_t *scales, int64_t M,
+                          int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads);
+typedef int (*blinear_fn)(const void *x, int x_bf16, const uint8_t *w, int t, int64_t row_bytes, void *y,
+                          int y_bf16, int64_t ldy, int64_t M, int64_t N, int64_t K, int nthreads, int force_avx2);
+typedef int (*norm_fn)(const uint16_t *x, const uint16_t *r, uint16_t *h, uint16_t *out, const float *w,
+                       int64_t M, int64_t H, float eps);
+typedef int (*rope_fn)(uint16_t *qkv, int64_t rows, int64_t rs, int64_t nrot, int64_t d, const uint16_t *cos,
+                       const uint16_t *sin);
+typedef int (*silu_fn)(const uint16_t *gu, int64_t M, int64_t I, uint16_t *out);
+typedef int (*attn_fn)(const float *q, const void *k, const void *v, int kv_bf16, int64_t ksb, int64_t ksg,
+                       int64_t kss, int64_t vsb, int64_t vsg, int64_t vss, const uint8_t *mask, int64_t msb,
+                       int64_t mst, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                       float scale, int chunk, int nthreads);
+
+typedef struct {
+    vlinear_fn vlinear;
+    blinear_fn blinear;
+    norm_fn norm;
+    rope_fn rope;
+    silu_fn silu_mul;
+    attn_fn attend;
+} ops_t;
+
+#define RUNS 4
+typedef struct {  /* one linear: up to RUNS weights of one GGML type each, stacked along the outputs */
+    int n;
+    int type[RUNS];
+    const uint8_t *w[RUNS];      /* repacked codes, or the blocks as shipped */
+    const uint8_t *scales[RUNS]; /* repacked scales; NULL: `w` holds blocks as shipped */
+    int64_t rows[RUNS], row_bytes[RUNS];
+    const uint16_t *bias;        /* bf16 [out] or NULL */
+    int64_t out;
+} lin_t;
+
+typedef struct {
+    const float *norm1, *norm2;  /* fp32 weights */
+    lin_t qkv, o, gu, down;
+} layer_t;
+
+typedef struct {  /* the pass: shapes, the KV store, RoPE tables, mask */
+    int64_t B, T, Hd, H, Hkv, D, I;
+    float eps, scale;
+    void *k, *v;       /* the store's layer 0, row r0, slot 0 */
+    int kv_bf16;
+    int64_t lstride;   /* elements from one layer to the next */
+    int64_t rstride;   /* from one row to the next */
+    int64_t smax;      /* slots per (row, head) */
+    int64_t start, S;  /* first new slot; slots the pass reads */
+    const uint16_t *cos, *sin;  /* bf16 [M, D] */
+    const uint8_t *mask; int64_t msb, mst;  /* (B, T, S) or NULL (causal over the pass's last T slots) */
+    int chunk, threads, force_avx2;
+} pass_t;
+
+static inline uint16_t rn(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    uint32_t r = ((u & 0x7fffffff) > 0x7f800000) ? (u | 0x00400000) : u + 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(r >> 16);
+}
+static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+
+static void add_bf16(uint16_t *x, const uint16_t *d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = rn(bf(x[i]) + bf(d[i]));
+}
+
+/* y [M, out] bf16 = x [M, K] @ W^T (+ bias): each run into its columns, as GGMLLinear.forward does. */
+static int linear(const ops_t *op, const lin_t *l, const uint16_t *x, int64_t M, int64_t K, uint16_t *y,
+                  const pass_t *p) {
+    int threads = p->threads;
+    int64_t col = 0;
+    for (int r = 0; r < l->n; r++) {
+        int rc = l->scales[r]
+            ? op->vlinear(x, l->type[r], l->w[r], l->scales[r], M, l->rows[r], K, y + col, 1, l->out, threads)
+            : op->blinear(x, 1, l->w[r], l->type[r], l->row_bytes[r], y + col, 1, l->out, M, l->rows[r], K, threads,
+                          p->force_avx2);
+        if (rc) return rc;
+        col += l->rows[r];
+    }
+    if (l->bias)
+        for (int64_t m = 0; m < M; m++) add_bf16(y + m * l->out, l->bias, l->out);
+    return 0;
+}
+
+/* Layers [l0, l1) over x [B * T, Hd] bf16, in place. 0, or the first failing kernel's code (-2: no memory). */
+int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pass_t *p, uint16_t *x) {
+    int64_t M = p->B * p->T, Hd = p->Hd, H = p->H, Hkv = p->Hkv, D = p->D, T = p->T;
+    int64_t nqkv = (H + 2 * Hkv) * D, hD = H * D;
+    size_t bytes = (size_t)M * (2 * Hd + nqkv + hD + 2 * Hd + 2 * p->I + p->I + Hd) * 2 + (size_t)M * hD * 8 + 64;
+    char *buf = (char *)malloc(bytes);
+    if (!buf) return -2;
+    uint16_t *h = (uint16_t *)buf, *qkv = h + M * Hd, *a = qkv + M * nqkv, *o = a + M * hD, *gu = o + M * Hd,
+             *s = gu + M * 2 * p->I, *dn = s + M * p->I;
+    float *qf = (float *)(((uintptr_t)(dn + M * Hd) + 31) & ~(uintptr_t)31), *att = qf + M * hD;
+    int es = p->kv_bf16 ? 2 : 4, rc = 0;
+    for (int l = l0; l < l1 && !rc; l++) {
+        const layer_t *L = layers + l;
+        if ((rc = op->norm(x, NULL, NULL, h, L->norm1, M, Hd, p->eps))) break;
+        if ((rc = linear(op, &L->qkv, h, M, Hd, qkv, p))) break;
+        if ((rc = op->rope(qkv, M, nqkv, H + Hkv, D, p->cos, p->sin))) break;
+        char *kl = (char *)p->k + (size_t)l * p->lstride * es, *vl = (char *)p->v + (size_t)l * p->lstride * es;
+        for (int64_t b = 0; b < p->B; b++)
+            for (int64_t t = 0; t < T; t++) {
+                const uint16_t *row = qkv + (b * T + t) * nqkv;
+                for (int64_t g = 0; g < Hkv; g++) {
+                    int64_t off = b * p->rstride + (g * p->smax + p->start + t) * D;
+                    const uint16_t *ks = row + (H + g) * D, *vs = row + (H + Hkv + g) * D;
+                    if (p->kv_bf16) {
+                        memcpy((uint16_t *)kl + off, ks, D * 2);
+                        memcpy((uint16_t *)vl + off, vs, D * 2);
+                    } else {
+                        float *kd = (float *)kl + off, *vd = (float *)vl + off;
+                        for (int64_t i = 0; i < D; i++) { kd[i] = bf(ks[i]); vd[i] = bf(vs[i]); }
+                    }
+                }
+                for (int64_t hh = 0; hh < H; hh++) {  /* q as (B, H, T, D) fp32 */
+                    float *qd = qf + ((b * H + hh) * T + t) * D;
+                    for (int64_t i = 0; i < D; i++) qd[i] = bf(row[hh * D + i]);
+                }
+            }
+        if ((rc = op->attend(qf, kl, vl, p->kv_bf16, p->rstride, p->smax * D, D, p->rstride, p->smax * D, D, p->mask,
+                             p->msb, p->mst, att, p->B, H, Hkv, T, p->S, D, p->scale, p->chunk, p->threads))) break;
+        for (int64_t b = 0; b < p->B; b++)  /* (B, H, T, D) -> (B * T, H * D), rounded to bf16 */
+            for (int64_t hh = 0; hh < H; hh++)
+                for (int64_t t = 0; t < T; t++) {
+                    const float *src = att + ((b * H + hh) * T + t) * D;
+                    uint16_t *dst = a + (b * T + t) * hD + hh * D;
+                    for (int64_t i = 0; i < D; i++) dst[i] = rn(src[i]);
+                }
+        if ((rc = linear(op, &L->o, a, M, hD, o, p))) break;
+        if ((rc = op->norm(o, x, x, h, L->norm2, M, Hd, p->eps))) break;  /* x = bf16(x + o), h = norm2(x) */
+        if ((rc = linear(op, &L->gu, h, M, Hd, gu, p))) break;
+        if ((rc = op->silu_mul(gu, M, p->I, s))) break;
+        if ((rc = linear(op, &L->down, s, M, p->I, dn, p))) break;
+        add_bf16(x, dn, M * Hd);
+    }
+    free(buf);
+    return rc;
+}
