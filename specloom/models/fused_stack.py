@@ -19,6 +19,7 @@ import ctypes
 import os
 
 import torch
+import torch.nn.modules.module as mod
 
 from . import ggml_linear, invariant_attention, layer_ops
 from .ggml_linear import GGMLLinear
@@ -92,26 +93,33 @@ def _lin(m, dtype: torch.dtype, keep: list) -> _Lin | None:
     return d
 
 
-def _key(model) -> tuple:
-    """What the descriptors were built from: the modules and norm weights (a swapped linear or reloaded norm
-    builds them again)."""
-    out = []
-    for layer in model.layers:
-        m = layer._modules
-        a, mlp = m["self_attn"]._modules, m["mlp"]._modules
-        n1, n2 = m["input_layernorm"]._parameters["weight"], m["post_attention_layernorm"]._parameters["weight"]
-        out += (id(a.get("qkv_proj")), id(a.get("o_proj")), id(mlp.get("gate_up_proj")), id(mlp.get("down_proj")),
-                id(n1), layer_ops.version(n1), id(n2), layer_ops.version(n2))
-    return tuple(out)
+_epoch = [0]  # bumped whenever any module registers a submodule, parameter or buffer (a swapped linear, say)
+
+
+def _bump(*_args):
+    _epoch[0] += 1
+
+
+for _register in (mod.register_module_module_registration_hook, mod.register_module_parameter_registration_hook,
+                  mod.register_module_buffer_registration_hook):
+    _register(_bump)
+
+
+def _norm_key(norm_ws: list) -> tuple:
+    """The norm weights' storage and in-place versions (a reloaded norm builds the fp32 copies again)."""
+    return tuple((w.data_ptr(), layer_ops.version(w)) for w in norm_ws)
 
 
 class _Stack:
-    def __init__(self, model, key: tuple):
-        self.key, self.keep, self.ok = key, [], False
+    def __init__(self, model):
+        self.epoch, self.keep, self.ok, self.norm_ws, self.norm_key = _epoch[0], [], False, [], ()
         c = model.config
         if not getattr(model.block_cls, "fused_stack", False) or model.layer_kinds != {"full"} \
                 or not invariant_attention.supports(c.head_dim) or c.head_dim > 16384:
             return
+        self.norm_ws = [n.weight for layer in model.layers for n in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm)]
+        self.norm_key = _norm_key(self.norm_ws)
         layers, dtype = (_Layer * len(model.layers))(), model.dtype
         eps, scale, inter = set(), set(), set()
         for i, layer in enumerate(model.layers):
@@ -140,10 +148,9 @@ class _Stack:
 def _stack(model) -> _Stack | None:
     if _kernel() is None or _ops() is None:
         return None
-    key = _key(model)
     st = model.__dict__.get("_fused_stack")
-    if st is None or st.key != key:
-        st = _Stack(model, key)
+    if st is None or st.epoch != _epoch[0] or st.norm_key != _norm_key(st.norm_ws):
+        st = _Stack(model)
         model.__dict__["_fused_stack"] = st
     return st if st.ok else None
 
