@@ -46,10 +46,12 @@ class _Pass(ctypes.Structure):
     _fields_ = [("B", L), ("T", L), ("Hd", L), ("H", L), ("Hkv", L), ("D", L), ("I", L), ("eps", F), ("scale", F),
                 ("k", P), ("v", P), ("kv_bf16", I), ("lstride", L), ("rstride", L), ("smax", L), ("start", L),
                 ("S", L), ("cos", P), ("sin", P), ("mask", P), ("msb", L), ("mst", L), ("chunk", I),
-                ("threads", I), ("force_avx2", I)]
+                ("threads", I), ("force_avx2", I), ("prof", P)]
 
 
 _state: dict = {}
+PROFILE: list | None = None  # a list of 3 floats: seconds spent in the stack's linears, attention, whole calls
+_prof = (ctypes.c_double * 3)()
 
 
 def _kernel():
@@ -189,6 +191,9 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
             mask = mask.contiguous()
         p.mask, p.msb, p.mst = mask.data_ptr(), mask.stride(0), mask.stride(2)
     p.chunk = invariant_attention._chunk(B * st.heads * T, p.threads)
+    if PROFILE is not None:
+        _prof[:] = [0.0, 0.0, 0.0]
+        p.prof = ctypes.cast(_prof, P)
     x = x.contiguous().clone()
     hidden, a, fn = {}, 0, _kernel()
     for b in [s for s in sorted(set(stops)) if 0 < s < len(model.layers)] + [len(model.layers)]:
@@ -200,4 +205,6 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
         if b < len(model.layers):
             hidden[b] = x.clone()
         a = b
+    if PROFILE is not None:
+        PROFILE[:] = [u + v for u, v in zip(PROFILE, _prof)]
     return x, hidden

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int (*vlinear_fn)(const uint16_t *x, int t, const uint8_t *codes, const uint8_t *scales, int64_t M,
                           int64_t N, int64_t K, void *y, int y_bf16, int64_t ldy, int nthreads);
@@ -65,6 +66,7 @@ typedef struct {  /* the pass: shapes, the KV store, RoPE tables, mask */
     const uint16_t *cos, *sin;  /* bf16 [M, D] */
     const uint8_t *mask; int64_t msb, mst;  /* (B, T, S) or NULL (causal over the pass's last T slots) */
     int chunk, threads, force_avx2;
+    double *prof;  /* NULL, or [3]: seconds added up in the linears, in attention, in the whole call */
 } pass_t;
 
 static inline uint16_t rn(float v) {
@@ -80,9 +82,16 @@ static void add_bf16(uint16_t *x, const uint16_t *d, int64_t n) {
 }
 
 /* y [M, out] bf16 = x [M, K] @ W^T (+ bias): each run into its columns, as GGMLLinear.forward does. */
+static inline double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
 static int linear(const ops_t *op, const lin_t *l, const uint16_t *x, int64_t M, int64_t K, uint16_t *y,
                   const pass_t *p) {
     int threads = p->threads;
+    double t0 = p->prof ? now() : 0;
     int64_t col = 0;
     for (int r = 0; r < l->n; r++) {
         int rc = l->scales[r]
@@ -94,6 +103,7 @@ static int linear(const ops_t *op, const lin_t *l, const uint16_t *x, int64_t M,
     }
     if (l->bias)
         for (int64_t m = 0; m < M; m++) add_bf16(y + m * l->out, l->bias, l->out);
+    if (p->prof) p->prof[0] += now() - t0;
     return 0;
 }
 
@@ -108,6 +118,7 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
              *s = gu + M * 2 * p->I, *dn = s + M * p->I;
     float *qf = (float *)(((uintptr_t)(dn + M * Hd) + 31) & ~(uintptr_t)31), *att = qf + M * hD;
     int es = p->kv_bf16 ? 2 : 4, rc = 0;
+    double t0 = p->prof ? now() : 0, ta = 0;
     for (int l = l0; l < l1 && !rc; l++) {
         const layer_t *L = layers + l;
         if ((rc = op->norm(x, NULL, NULL, h, L->norm1, M, Hd, p->eps))) break;
@@ -133,8 +144,10 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
                     for (int64_t i = 0; i < D; i++) qd[i] = bf(row[hh * D + i]);
                 }
             }
+        if (p->prof) ta = now();
         if ((rc = op->attend(qf, kl, vl, p->kv_bf16, p->rstride, p->smax * D, D, p->rstride, p->smax * D, D, p->mask,
                              p->msb, p->mst, att, p->B, H, Hkv, T, p->S, D, p->scale, p->chunk, p->threads))) break;
+        if (p->prof) p->prof[1] += now() - ta;
         for (int64_t b = 0; b < p->B; b++)  /* (B, H, T, D) -> (B * T, H * D), rounded to bf16 */
             for (int64_t hh = 0; hh < H; hh++)
                 for (int64_t t = 0; t < T; t++) {
@@ -150,5 +163,6 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
         add_bf16(x, dn, M * Hd);
     }
     free(buf);
+    if (p->prof) p->prof[2] += now() - t0;
     return rc;
 }
