@@ -271,6 +271,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], device: str
     for name, qz in held.items():
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, qz.module(compute, bias.get(name)))
+    if hasattr(model.lm_head, "fp32_out"):  # a head held as GGML blocks: fp32 logits, never rounded to bf16
+        model.lm_head.fp32_out = True
     model.eval().requires_grad_(False)
     return model
 

@@ -261,6 +261,9 @@ class GGMLLinear(nn.Module):
     does)."""
 
     kernel = "ggml"
+    # the LM head sets it (loading/weights.py): its outputs are logits, read in fp32, so they come straight from the
+    # kernel's fp32 accumulators instead of being rounded to bf16 first (ties at bf16's 0.125 step near |20|)
+    fp32_out = False
 
     def __init__(self, parts: list, in_features: int, dtype: torch.dtype, bias: torch.Tensor | None = None):
         super().__init__()
@@ -301,7 +304,7 @@ class GGMLLinear(nn.Module):
         want = torch.bfloat16 if self.repacked else (x.dtype if x.dtype in (torch.bfloat16, torch.float32)
                                                      else torch.float32)
         x2 = x if x.dtype == want and x.is_contiguous() else x.to(want).contiguous()
-        out = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        out = torch.bfloat16 if x.dtype == torch.bfloat16 and not self.fp32_out else torch.float32
         y = torch.empty(*x.shape[:-1], self.out_features, dtype=out)
         xp, xb, m, col = x2.data_ptr(), int(want == torch.bfloat16), x2.numel() // self.in_features, 0
         for w in self.ws:
@@ -309,7 +312,7 @@ class GGMLLinear(nn.Module):
             col += w.rows
         if self.bias is not None:
             y = y + self.bias
-        return y if out == x.dtype else y.to(x.dtype)
+        return y if out == x.dtype or self.fp32_out else y.to(x.dtype)
 
     def extra_repr(self) -> str:
         names = {v: k for k, v in KERNEL_TYPES.items()}
