@@ -28,6 +28,7 @@ from .kv import KVCache
 from .kv_quant import kv_dtype_arg
 from .models import DecoderLM, ForwardOutput
 from .results import GenerationResult, StopChecker, acceptance_rates, mean_accepted_length  # noqa: F401
+from . import penalties
 from .sampling import SamplingParams
 from .speculative import SpeculativeConfig
 from .step import Request, Stepper, joined, prefill_chunk
@@ -137,6 +138,10 @@ class Engine:
         on_tokens=None,
         constraint: Constraint | None = None,
         logprobs: int | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
     ) -> GenerationResult:
         """`on_tokens(new_ids)`, if given, is called after every step with the tokens that step added (several
         under speculation); returning False stops generation with finish_reason "abort" (a client went away).
@@ -147,8 +152,16 @@ class Engine:
         emitted tokens only.
 
         `sampling_rule` (sampling.py): "auto" (coupled for a seeded request, else rejection), "coupled" (the text
-        a function of prompt, parameters and seed alone, speculation or not) or "rejection"."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule)
+        a function of prompt, parameters and seed alone, speculation or not) or "rejection".
+
+        `presence_penalty`, `frequency_penalty` (OpenAI's, over output tokens), `repetition_penalty` (HF / vLLM's,
+        over prompt and output tokens) and `logit_bias` (token id -> bias): penalties.py, exact under
+        speculation (each draft-tree node penalised by its own path)."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, rule=sampling_rule,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                repetition_penalty=repetition_penalty,
+                                logit_bias=tuple(sorted((logit_bias or {}).items())))
+        penalties.check_vocab(params, self.model.config.vocab_size)
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt, messages, chat)
         self.check_request(ids, max_tokens)
         req = Request(ids, max_tokens, params, stop or [], ignore_eos, constraint, on_tokens, logprobs)

@@ -41,6 +41,11 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     rule: str = "auto"  # "auto" | "coupled" | "rejection" (module docstring)
+    # penalties.py: applied to the target's logits before everything above, exactly under speculation
+    presence_penalty: float = 0.0  # OpenAI: [-2, 2], over output tokens
+    frequency_penalty: float = 0.0  # OpenAI: [-2, 2], over output tokens
+    repetition_penalty: float = 1.0  # HF / vLLM: > 0, over prompt and output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -51,6 +56,15 @@ class SamplingParams:
             raise SpecloomError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise SpecloomError(f"top_k must be >= 0 (or -1 for off), got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (-2.0 <= getattr(self, name) <= 2.0):
+                raise SpecloomError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not (0.0 < self.repetition_penalty <= 100.0):
+            raise SpecloomError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        for pair in self.logit_bias:
+            if (len(pair) != 2 or not isinstance(pair[0], int) or isinstance(pair[0], bool) or pair[0] < 0
+                    or not (-100.0 <= pair[1] <= 100.0)):
+                raise SpecloomError(f"logit_bias takes token ids >= 0 with biases in [-100, 100], got {pair}")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import penalties
 from .constraint import Constraint
 from .drafters.base import DraftContext
 from .errors import SpecloomError
@@ -274,6 +275,8 @@ class Stepper:
             out = joined(out, row.hidden)
             row.hidden = {}
             logits = out.logits[0, -1]
+            if penalties.active(req.params):
+                penalties.apply(logits[None], req.params, None, req.ids, [])
             if req.constraint is not None:
                 req.constraint.mask_row(logits)
             first = (sample_token(logits, req.params, row.generator) if row.noise_seed is None
@@ -376,7 +379,8 @@ class Stepper:
 
         # per row: mask, verify with its own generator, commit its path
         results = [None] * n
-        plain_greedy = [r.req.params.greedy and r.req.constraint is None for r in rows]
+        plain_greedy = [r.req.params.greedy and r.req.constraint is None and not penalties.active(r.req.params)
+                        for r in rows]
         best = out.logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None  # one argmax for the step
         at = [p.span.at(b) for b in range(n)]  # row b's place in the pass
         for b, r in enumerate(rows):
@@ -384,6 +388,8 @@ class Stepper:
                 continue
             logits = out.logits[at[b], :sizes[b]]
             try:
+                if penalties.active(r.req.params):  # each node by the output so far plus its own path's drafts
+                    penalties.apply(logits, r.req.params, trees[b], r.req.ids, r.tokens[len(r.req.ids):])
                 if r.req.constraint is not None:
                     r.req.constraint.mask(trees[b], logits)
                 coupled = {} if r.noise_seed is None else {"coupling": (r.noise_seed, r.ctx.root_position)}

@@ -252,8 +252,9 @@ def test_docs_behind_the_key_and_a_strict_bearer(live):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"logit_bias": {"5": 3.0}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"five": 3.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 300.0}}, "logit_bias"), ({"logit_bias": {"99999999": 1.0}}, "logit_bias"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "tool", "content": "sunny"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
@@ -265,6 +266,25 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(live, body,
     port, _ = live
     status, out = _post(port, "/v1/chat/completions", json.dumps({**OK_CHAT, **body}).encode())
     assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_penalties_and_logit_bias_are_honoured(live):
+    """logit_bias +100 on one token makes greedy output that token; the penalties
+    change a greedy answer that repeats itself and the same request twice gives the same text."""
+    port, engine = live
+    tok = engine.tokenizer.encode(" the")[-1]
+    base = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0}
+    status, out = _post(port, "/v1/completions", json.dumps({**base, "logit_bias": {str(tok): 100}}).encode())
+    assert status == 200 and out["choices"][0]["text"] == engine.tokenizer.decode([tok] * 6), out
+    _, plain = _post(port, "/v1/completions", json.dumps({**base, "max_tokens": 24}).encode())
+    body = json.dumps({**base, "max_tokens": 24, "frequency_penalty": 2.0, "presence_penalty": 2.0,
+                       "repetition_penalty": 1.5}).encode()
+    (s1, a), (s2, b) = _post(port, "/v1/completions", body), _post(port, "/v1/completions", body)
+    assert s1 == s2 == 200 and a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["choices"][0]["text"] != plain["choices"][0]["text"]
+    want = engine.generate("Hello there", max_tokens=24, frequency_penalty=2.0, presence_penalty=2.0,
+                           repetition_penalty=1.5)
+    assert a["choices"][0]["text"] == want.text
 
 
 def test_completions_echo_best_of_and_suffix(live):

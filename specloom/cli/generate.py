@@ -21,6 +21,10 @@ def add(sub) -> None:
     p.add_argument("--sampling-rule", choices=("auto", "coupled", "rejection"), default="auto",
                    help="how sampled tokens are drawn under speculation: coupled (the text depends on the seed alone, "
                         "drafter or not), rejection (min(1, p/q)); auto: coupled when --seed is given")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2], over output tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2], over output tokens")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="HF / vLLM's, > 0, over prompt and output tokens (1 = off)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--compare-plain", action="store_true",
@@ -36,12 +40,14 @@ def run(args) -> int:
     from ..host import host_info, host_line
     from ..sampling import SamplingParams
 
-    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)  # checked before loading
+    pen = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+               repetition_penalty=args.repetition_penalty)
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, **pen)  # checked before loading
     _check_prompt_before_loading(args)
     engine = load(args.model, speculative_config=args.speculative_config, dtype=args.dtype, kv_dtype=args.kv_dtype,
                   device=args.device, speculation=args.speculation, linear_kernel=args.linear_kernel)
     kw = dict(chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, sampling_rule=args.sampling_rule, stop=args.stop)
+              top_p=args.top_p, seed=args.seed, sampling_rule=args.sampling_rule, stop=args.stop, **pen)
     plain = None
     if args.compare_plain:
         plain = Engine(engine.model, engine.tokenizer, None, engine.max_model_len, kv_dtype=engine.kv_dtype)

@@ -93,7 +93,9 @@ class Server:
                 constraint = compile_constraint(req.plan.grammar, self.engine.tokenizer,
                                                 self.engine.model.config.vocab_size)
             params = SamplingParams(temperature=req.temperature, top_p=req.top_p,
-                                    seed=None if req.seed is None else req.seed + i, rule=req.sampling_rule)
+                                    seed=None if req.seed is None else req.seed + i, rule=req.sampling_rule,
+                                    presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                    repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
             seqs.append(Sequence(ids, req.max_tokens, params, req.stop, constraint=constraint,
                                  on_tokens=on_tokens[k] if on_tokens else None, logprobs=req.logprobs,
                                  on_done=on_done[k] if on_done else None))

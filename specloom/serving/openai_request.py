@@ -24,6 +24,10 @@ class GenerationRequest:
     n: int = 1
     seed: int | None = None
     sampling_rule: str = "auto"
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -58,6 +62,9 @@ def read_request(body: dict, chat: bool, server) -> GenerationRequest:
     req = GenerationRequest(
         chat=chat, prompts=prompts, max_tokens=max_tokens, n=n, seed=m.seed, plan=plan,
         sampling_rule=m.sampling_rule or "auto",
+        presence_penalty=float(m.presence_penalty or 0.0), frequency_penalty=float(m.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if m.repetition_penalty is None else float(m.repetition_penalty),
+        logit_bias=_logit_bias(m, server),
         temperature=1.0 if m.temperature is None else float(m.temperature),
         top_p=1.0 if m.top_p is None else float(m.top_p),
         stop=[m.stop] if isinstance(m.stop, str) else list(m.stop or []),
@@ -73,6 +80,17 @@ def read_request(body: dict, chat: bool, server) -> GenerationRequest:
             raise APIError(400, f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together they "
                                 f"exceed the model's context of {ctx} tokens", "max_tokens")
     return req
+
+
+def _logit_bias(m, server) -> tuple[tuple[int, float], ...]:
+    """logit_bias's token ids, checked against this server's vocabulary."""
+    vocab = server.engine.model.config.vocab_size
+    out = []
+    for key, bias in (m.logit_bias or {}).items():
+        if int(key) >= vocab:
+            raise APIError(400, f"logit_bias names token id {key}, outside the vocabulary [0, {vocab})", "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def _logprobs(m, chat: bool) -> int | None:

@@ -2,8 +2,8 @@
 truthy string), used to validate each body before it is planned and to give the OpenAPI document real request
 schemas. The validated model is the request the server reads (serving/openai_request.py); only what depends on the
 server (the model name, max_tokens against the context, n against the pool, token ids against the vocabulary) is
-checked there. Fields that would change the output and are not implemented (penalties, logit_bias, suffix, media
-content parts, unknown roles) are refused with a 400 naming them; fields without effect on the output (e.g. `user`)
+checked there. Fields that would change the output and are not implemented (suffix, media content parts, unknown
+roles) are refused with a 400 naming them; fields without effect on the output (e.g. `user`)
 are accepted."""
 
 from __future__ import annotations
@@ -95,19 +95,24 @@ class _Sampling(_Open):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    # OpenAI fields specloom does not implement yet: refused when they would change the output (never ignored)
-    logit_bias: dict[str, StrictFloat] | None = None
-    presence_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: StrictFloat | None = Field(default=None, ge=-2, le=2)
+    # penalties and logit bias (specloom/penalties.py: exact under speculation, each draft-tree node penalised by
+    # its own path); repetition_penalty is vLLM's extension (HF's definition, over prompt and output tokens)
+    logit_bias: Annotated[dict[str, StrictFloat], Field(max_length=1024)] | None = None
+    presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=100)
     sampling_rule: Literal["auto", "coupled", "rejection"] | None = Field(
         default=None, description="specloom extension: how sampled tokens are drawn under speculation (auto: "
                                   "coupled when seeded -- the text depends on the seed alone --, else rejection)")
 
-    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator("logit_bias")
     @classmethod
-    def _not_implemented(cls, v, info):
-        if v:
-            raise ValueError(f"{info.field_name} is not supported yet (only {'an empty map' if isinstance(v, dict) else 0})")
+    def _bias(cls, v):
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or len(key) > 12:
+                raise ValueError(f"logit_bias keys are token ids (non-negative integers as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
 
 
