@@ -18,7 +18,7 @@ FLOORS = [
     ("step",),
     ("drafters",),
     ("training",),
-    ("models", "loading", "kv", "kv_quant", "tree", "verify", "sampling", "constraint", "results", "host",
+    ("models", "loading", "kv", "kv_quant", "tree", "verify", "sampling", "penalties", "constraint", "results", "host",
      "tokenizer", "chat_plain", "behaviour", "fingerprint", "prompts", "config", "config_fields", "moe_config"),
     ("errors", "atomic"),
 ]
