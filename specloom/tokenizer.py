@@ -6,6 +6,7 @@ A thin wrapper over a HF fast tokenizer. GGUF tokenizers are converted once by t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -44,6 +45,13 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can cover: the longest vocabulary string (a byte-level token has
+        a character per byte, SentencePiece's ▁ stands for one space). A prefix of L characters that already
+        takes more than n + max_token_chars tokens means the whole text takes more than n."""
+        return max(1, max(map(len, self.hf.get_vocab()), default=1))
 
     @property
     def vocab_size(self) -> int:

@@ -268,6 +268,22 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(live, body,
     assert status == 400 and out["error"]["param"] == param, out
 
 
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(live):
+    """A prompt of ~0.9 MB (far past the 256-token context) is refused from a tokenized prefix alone (the whole
+    text never reaches the tokenizer), on both endpoints; one a little over the context still gets the exact count."""
+    port, engine = live
+    text = "The quick brown fox jumps over the lazy dog. " * 20000
+    for path, body, param in (("/v1/completions", {"prompt": text, "max_tokens": 2}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}],
+                                                        "max_tokens": 2}, "messages")):
+        status, out = _post(port, path, json.dumps(body).encode())
+        assert status == 400 and out["error"]["param"] == param, out
+        assert "cannot fit the model's context of 256 tokens" in out["error"]["message"]
+        assert "characters alone take" in out["error"]["message"]
+    status, out = _post(port, "/v1/completions", json.dumps({"prompt": "dog " * 300, "max_tokens": 2}).encode())
+    assert status == 400 and "the prompt has 30" in out["error"]["message"], out
+
+
 def test_penalties_and_logit_bias_are_honoured(live):
     """logit_bias +100 on one token makes greedy output that token; the penalties
     change a greedy answer that repeats itself and the same request twice gives the same text."""

@@ -37,7 +37,7 @@ def build_app(target):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     from .lifecycle import Lifecycle
-    from .request_body import closes_connection, parse_json, read_body
+    from .request_body import LARGE_BODY_BYTES, closes_connection, parse_json, read_body, release_memory
     from .schemas import ChatCompletionRequest, CompletionRequest, openapi_body, openapi_components
 
     life = target if isinstance(target, Lifecycle) else Lifecycle(target)
@@ -99,6 +99,7 @@ def build_app(target):
         if (resp := denied(request, generation=True)) is not None:
             return resp
         server = life.server
+        raw = b""
         try:
             raw = await read_body(request, server.max_body_bytes)
             body = parse_json(raw) if len(raw) < 2 ** 16 else await asyncio.to_thread(parse_json, raw)
@@ -118,6 +119,10 @@ def build_app(target):
             log.exception("request failed")
             return error(APIError(500, "internal error while handling the request (see the server log)", None,
                                   "internal_error", "server_error"))
+        finally:
+            if len(raw) >= LARGE_BODY_BYTES:  # parsed and tokenized: hand the freed pages back
+                raw = body = None  # noqa: F841  (the request's last references, before the trim)
+                await asyncio.to_thread(release_memory)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request):

@@ -114,6 +114,22 @@ def _tool_plan(body: dict, chat: bool, server):
         raise APIError(400, e.message, e.param) from None
 
 
+def _refuse_if_too_long(texts: list[str], server, param: str) -> None:
+    """A 400 for a prompt that cannot fit the context, found cheaply before the whole text is tokenized (a few MB
+    of text make a tokenizer allocate hundreds of MB that the allocator then keeps): only a prefix long enough to
+    hold the context is tokenized, and if it alone takes more than the context (plus a margin for the tokens the
+    cut could split and the messages' own boundaries) the whole cannot fit. Shorter texts go on as before."""
+    ctx, tok = server.engine.max_model_len, server.engine.tokenizer
+    if sum(map(len, texts)) <= 4 * ctx:
+        return
+    limit = (ctx + 1) * tok.max_token_chars
+    head = "".join(texts)[:limit]
+    n = len(tok.encode(head, special=False))
+    if n > ctx + tok.max_token_chars + len(texts):
+        raise APIError(400, f"the prompt takes more than {ctx} tokens (its first {len(head)} characters alone take "
+                            f"{n}): it cannot fit the model's context of {ctx} tokens", param)
+
+
 def _chat_ids(m, plan, server) -> list[int]:
     """The chat prompt: content parts keep their text parts; the tool plan's messages when there is one."""
     msgs = plan.messages if plan is not None else [x.model_dump(exclude_unset=True) for x in m.messages]
@@ -124,6 +140,7 @@ def _chat_ids(m, plan, server) -> list[int]:
             c = "".join(p["text"] for p in c if isinstance(p, dict) and p.get("type") == "text"
                         and isinstance(p.get("text"), str))
         clean.append({**{k: v for k, v in x.items() if k != "content"}, "content": c or ""})
+    _refuse_if_too_long([x["content"] for x in clean if isinstance(x["content"], str)], server, "messages")
     try:
         kwargs = plan.template_kwargs if plan is not None and plan.template_kwargs else {}
         return server.engine.tokenizer.encode_chat(clean, special_in_content=server.special_tokens_in_input,
@@ -150,6 +167,7 @@ def _completion_ids(m, server) -> list[list[int]]:
     out = []
     for x in items:
         if isinstance(x, str):
+            _refuse_if_too_long([x], server, "prompt")
             out.append(server.engine.tokenizer.encode(x, special=server.special_tokens_in_input))
             continue
         if min(x) < 0 or max(x) >= vocab:
