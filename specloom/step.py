@@ -53,6 +53,8 @@ class Request:
     on_tokens: object | None = None  # callback(new_ids[, new_logprobs]) -> False to abort
     logprobs: int | None = None  # None: none; k >= 0: each token's logprob and the k most likely alternatives
     t_first: float | None = None  # when the first token was emitted
+    speculate: bool = True  # False: this request decodes plainly whatever the engine's drafter (e.g. to compare)
+    drafts_in_step: int = 0  # of the tokens the last `on_tokens` call passed, how many were accepted drafts
 
 
 class Row:
@@ -73,7 +75,7 @@ class Row:
         state = drafter.new_state() if drafter is not None else None
         self.ctx = DraftContext(self.tokens, len(req.ids), req.params, self.generator, 0, row=row, kv=kv, state=state,
                                 noise_seed=self.noise_seed)
-        self.drafting = drafter is not None
+        self.drafting = drafter is not None and req.speculate
         self.stats = Stats()
         self.t0 = time.perf_counter()
         self.t_prefill = 0.0
@@ -144,6 +146,8 @@ class Row:
         cb = self.req.on_tokens
         if cb is not None and len(self.out) > n_before:
             new = self.out[n_before:]
+            # an exact step's tokens are accepted drafts then the target's own one, unless a cut came first
+            self.req.drafts_in_step = len(new) - (1 if len(new) == len(emitted) else 0)
             # with logprobs asked, the callback also gets the new tokens' (logprob, alternatives)
             go = cb(new) if self.req.logprobs is None else cb(new, self.logprobs[n_before:len(self.out)])
             if go is False and not self.finish:

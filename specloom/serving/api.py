@@ -98,7 +98,7 @@ class Server:
                                     repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias)
             seqs.append(Sequence(ids, req.max_tokens, params, req.stop, constraint=constraint,
                                  on_tokens=on_tokens[k] if on_tokens else None, logprobs=req.logprobs,
-                                 on_done=on_done[k] if on_done else None))
+                                 on_done=on_done[k] if on_done else None, speculate=req.speculate))
         try:
             self.scheduler.submit(seqs)
         except ShuttingDown as e:

@@ -20,6 +20,13 @@ from .http_errors import APIError
 log = logging.getLogger("specloom.serve")
 
 
+def _page() -> str:
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "static", "chat.html"), encoding="utf-8") as f:
+        return f.read()
+
+
 def bearer_ok(header: str, key: str) -> bool:
     """`Authorization: Bearer KEY` as RFC 7235 and 6750 write it: the scheme in any case, one or more spaces
     (1*SP), then the token and nothing else (no tab, no inner or trailing space); compared in constant time."""
@@ -64,6 +71,15 @@ def build_app(target):
     def model_card() -> dict:
         server = life.server
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "specloom"}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """The chat page (serving/static/chat.html: no build step, no CDN): streams an answer and colours each
+        token by how it came. The page itself holds nothing secret; the API calls it makes carry the key the user
+        types (the same key rules as any client)."""
+        from fastapi.responses import HTMLResponse
+
+        return HTMLResponse(_page())
 
     @app.get("/health")
     async def health():

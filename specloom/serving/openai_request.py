@@ -31,6 +31,8 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    include_speculation: bool = False  # stream chunks carry the step's tokens and accepted drafts (extension)
+    speculate: bool = True
     logprobs: int | None = None  # None: none; else how many alternatives per token
     plan: object | None = None  # serving/tools.py's ToolPlan, or None
     echo: list[str] | None = None  # completions `echo`: each prompt's text, put before its choices' text
@@ -70,6 +72,8 @@ def read_request(body: dict, chat: bool, server) -> GenerationRequest:
         stop=[m.stop] if isinstance(m.stop, str) else list(m.stop or []),
         stream=m.stream is True,
         include_usage=m.stream_options is not None and m.stream_options.include_usage is True,
+        include_speculation=m.stream_options is not None and m.stream_options.include_speculation is True,
+        speculate=m.speculate is not False,
         logprobs=_logprobs(m, chat),
         echo=None if chat or not m.echo else _prompt_texts(m, server))
     if req.choices > server.max_n:

@@ -100,8 +100,9 @@ class Envelope:
         return sse(self.body(choices, usage))
 
     def chunk(self, i: int, text: str | None = None, finish: str | None = None, role: bool = False,
-              tool_calls: list | None = None, logprobs=None) -> str:
-        """One choice's stream chunk: the role first (chat), then text or tool-call deltas, then the finish."""
+              tool_calls: list | None = None, logprobs=None, extra: dict | None = None) -> str:
+        """One choice's stream chunk: the role first (chat), then text or tool-call deltas, then the finish.
+        `extra`: the choice's `specloom` extension field (`stream_options.include_speculation`)."""
         if self.chat:
             if role:
                 delta = {"role": "assistant", "content": ""}
@@ -112,6 +113,8 @@ class Envelope:
             ch = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         else:
             ch = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        if extra is not None:
+            ch["specloom"] = extra
         return self.sse([ch])
 
 

@@ -83,6 +83,9 @@ class Tool(_Open):
 
 class StreamOptions(_Open):
     include_usage: StrictBool | None = None
+    include_speculation: StrictBool | None = Field(
+        default=None, description="specloom extension: each streamed chunk's choice carries `specloom`: the step's "
+                                  "token texts and how many of them were accepted drafts (the rest: the target's own)")
 
 
 class _Sampling(_Open):
@@ -101,6 +104,8 @@ class _Sampling(_Open):
     presence_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: StrictFloat | StrictInt | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=100)
+    speculate: StrictBool | None = Field(
+        default=None, description="specloom extension: false decodes this request plainly (no drafter), e.g. to compare")
     sampling_rule: Literal["auto", "coupled", "rejection"] | None = Field(
         default=None, description="specloom extension: how sampled tokens are drawn under speculation (auto: "
                                   "coupled when seeded -- the text depends on the seed alone --, else rejection)")

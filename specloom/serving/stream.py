@@ -65,11 +65,18 @@ def stream(server, req, is_disconnected):
     env = Envelope(req.chat, server.model_name, stream=True)
     choices = [_Choice(tok, req) for _ in range(req.choices)]
 
+    held: list = []  # the submitted sequences, once `submit` returns
+
     def on_tokens_of(i):
         def on_tokens(new, lps=None):  # the scheduler thread
             text = choices[i].hold.push(choices[i].detok.push(new))
-            if lps is not None:  # a chunk per step: its text (maybe held back: "") and its tokens' logprobs
-                loop.call_soon_threadsafe(q.put_nowait, (i, "text", (text, logprobs_json(tok, req.chat, new, lps))))
+            spec = None
+            if req.include_speculation:  # a chunk per step: its tokens' texts and how many were accepted drafts
+                drafts = held[0][i].drafts_in_step if held else len(new) - 1
+                spec = {"tokens": [tok.decode([t], skip_special_tokens=False) for t in new], "accepted": drafts}
+            if lps is not None or spec is not None:  # a chunk per step: its text (maybe held back: "") and more
+                lp = None if lps is None else logprobs_json(tok, req.chat, new, lps)
+                loop.call_soon_threadsafe(q.put_nowait, (i, "text", (text, lp, spec)))
             elif text:
                 loop.call_soon_threadsafe(q.put_nowait, (i, "text", (text, None)))
             return True
@@ -80,6 +87,7 @@ def stream(server, req, is_disconnected):
 
     seqs = server.submit(req, [on_tokens_of(i) for i in range(req.choices)],
                          [on_done_of(i) for i in range(req.choices)])
+    held.append(seqs)
 
     def parsed_chunks(i, parsed):
         c = choices[i]
@@ -89,12 +97,12 @@ def stream(server, req, is_disconnected):
             yield env.chunk(i, tool_calls=[tool_call_json(call, c.called, stream=True)])
             c.called += 1
 
-    def text_chunks(i, text, lps=None, final=False):
+    def text_chunks(i, text, lps=None, spec=None, final=False):
         c = choices[i]
         if c.parser is not None:
             yield from parsed_chunks(i, c.parser.feed(text, final=final))
-        elif text or lps is not None:
-            yield env.chunk(i, text=text, logprobs=lps)
+        elif text or lps is not None or spec is not None:
+            yield env.chunk(i, text=text, logprobs=lps, extra=spec)
 
     async def gen():
         results, left = [], req.choices
