@@ -30,7 +30,7 @@ RUNS = 4
 
 
 class _Ops(ctypes.Structure):
-    _fields_ = [(n, P) for n in ("vlinear", "blinear", "norm", "rope", "silu_mul", "attend")]
+    _fields_ = [(n, P) for n in ("vlinear", "blinear", "norm", "rope", "silu_mul", "attend", "add", "narrow", "widen")]
 
 
 class _Lin(ctypes.Structure):
@@ -68,8 +68,10 @@ def _ops() -> _Ops | None:
     if "ops" not in _state:
         v = ggml_linear._vfns()
         norm, rope, silu = layer_ops._fns()
+        ew = layer_ops.elementwise() or {}
         fns = dict(vlinear=_addr(v["ggml_vlinear"]) if v else None, blinear=_addr(ggml_linear._load()),
-                   norm=_addr(norm), rope=_addr(rope), silu_mul=_addr(silu), attend=_addr(invariant_attention._load()))
+                   norm=_addr(norm), rope=_addr(rope), silu_mul=_addr(silu), attend=_addr(invariant_attention._load()),
+                   add=_addr(ew.get("add_bf16")), narrow=_addr(ew.get("f32_to_bf16")), widen=_addr(ew.get("bf16_to_f32")))
         _state["ops"] = None if any(a is None for k, a in fns.items() if k != "vlinear") else _Ops(**fns)
     return _state["ops"]
 
@@ -192,7 +194,7 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
         p.mask, p.msb, p.mst = mask.data_ptr(), mask.stride(0), mask.stride(2)
     p.chunk = invariant_attention._chunk(B * st.heads * T, p.threads)
     if PROFILE is not None:
-        _prof[:] = [0.0, 0.0, 0.0]
+        _prof[:3] = [0.0, 0.0, 0.0]
         p.prof = ctypes.cast(_prof, P)
     x = x.contiguous().clone()
     hidden, a, fn = {}, 0, _kernel()

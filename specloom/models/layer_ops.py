@@ -1,5 +1,6 @@
-"""RMSNorm (with the residual add fused in), RoPE and the gated MLP's silu(gate) * up for bf16 inference on CPUs, one C call each
-(kernels/layer_ops.c) instead of PyTorch's 5-9 small ops: a decode step of SmolLM2-135M makes ~60 norms and 30
+"""RMSNorm (with the residual add fused in), RoPE and the gated MLP's silu(gate) * up for bf16 inference on CPUs,
+one C call each (kernels/layer_ops.c) instead of PyTorch's 5-9 small ops, and the element-wise bf16 steps the fused
+decoder stack needs (models/fused_stack.py): a decode step of SmolLM2-135M makes ~60 norms and 30
 RoPEs, and at ~25 us per eager RMSNorm those were ~1.5 ms of a ~18 ms step (issue 37, "a lean step").
 
 Used where `usable(x)`: a bf16 CPU tensor outside autograd, the kernel built. Elsewhere (fp32 models, training,
@@ -20,6 +21,7 @@ from .native import load_kernel
 _norm: dict = {}
 _rope: dict = {}
 _silu: dict = {}
+_conv: dict = {}  # add_bf16, f32_to_bf16, bf16_to_f32: the fused decoder stack's element-wise steps
 P, L = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -62,6 +64,41 @@ def _fns():
     rope = load_kernel(_rope, "layer_ops.c", "rope_bf16", [P, L, L, L, L, P, P], _check_rope)
     silu = load_kernel(_silu, "layer_ops.c", "silu_mul_bf16", [P, L, L, P], _check_silu)
     return norm, rope, silu
+
+
+def _check_conv(fns) -> str | None:
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, generator=g).bfloat16(), torch.randn(37, generator=g).bfloat16()
+    x = a.clone()
+    fns["add_bf16"](x.data_ptr(), b.data_ptr(), 37)
+    f = torch.randn(37, generator=g) * 100
+    y = torch.empty(37, dtype=torch.bfloat16)
+    fns["f32_to_bf16"](f.data_ptr(), y.data_ptr(), 37)
+    z = torch.empty(37)
+    fns["bf16_to_f32"](a.data_ptr(), z.data_ptr(), 37)
+    ok = torch.equal(x, a + b) and torch.equal(y, f.bfloat16()) and torch.equal(z, a.float())
+    return None if ok else "self-check: an element-wise bf16 kernel differs from PyTorch's"
+
+
+def elementwise() -> dict | None:
+    """{"add_bf16", "f32_to_bf16", "bf16_to_f32"}: C functions (kernels/layer_ops.c) checked against PyTorch's
+    ops bit for bit, or None where they do not build."""
+    if not _conv:
+        first = load_kernel(_conv, "layer_ops.c", "add_bf16", [P, P, L], lambda fn: None)
+        if first is None:
+            _conv["fns"] = None
+        else:
+            from .native import _open, compiler
+
+            lib = _open(compiler(), "layer_ops.c")
+            fns = {}
+            for name in ("add_bf16", "f32_to_bf16", "bf16_to_f32"):
+                f = getattr(lib, name)
+                f.restype, f.argtypes = ctypes.c_int, [P, P, L]
+                fns[name] = f
+            why = _check_conv(fns)
+            _conv["fns"] = None if why else fns
+    return _conv["fns"]
 
 
 _ready: list[bool] = []  # [built and checked], once per process

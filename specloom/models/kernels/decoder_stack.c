@@ -24,6 +24,9 @@ typedef int (*norm_fn)(const uint16_t *x, const uint16_t *r, uint16_t *h, uint16
 typedef int (*rope_fn)(uint16_t *qkv, int64_t rows, int64_t rs, int64_t nrot, int64_t d, const uint16_t *cos,
                        const uint16_t *sin);
 typedef int (*silu_fn)(const uint16_t *gu, int64_t M, int64_t I, uint16_t *out);
+typedef int (*add_fn)(uint16_t *x, const uint16_t *d, int64_t n);
+typedef int (*narrow_fn)(const float *src, uint16_t *dst, int64_t n);
+typedef int (*widen_fn)(const uint16_t *src, float *dst, int64_t n);
 typedef int (*attn_fn)(const float *q, const void *k, const void *v, int kv_bf16, int64_t ksb, int64_t ksg,
                        int64_t kss, int64_t vsb, int64_t vsg, int64_t vss, const uint8_t *mask, int64_t msb,
                        int64_t mst, float *out, int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
@@ -36,6 +39,9 @@ typedef struct {
     rope_fn rope;
     silu_fn silu_mul;
     attn_fn attend;
+    add_fn add;        /* x = bf16(x + d) */
+    narrow_fn narrow;  /* fp32 -> bf16, nearest even */
+    widen_fn widen;    /* bf16 -> fp32 */
 } ops_t;
 
 #define RUNS 4
@@ -69,18 +75,6 @@ typedef struct {  /* the pass: shapes, the KV store, RoPE tables, mask */
     double *prof;  /* NULL, or [3]: seconds added up in the linears, in attention, in the whole call */
 } pass_t;
 
-static inline uint16_t rn(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    uint32_t r = ((u & 0x7fffffff) > 0x7f800000) ? (u | 0x00400000) : u + 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(r >> 16);
-}
-static inline float bf(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
-static void add_bf16(uint16_t *x, const uint16_t *d, int64_t n) {
-    for (int64_t i = 0; i < n; i++) x[i] = rn(bf(x[i]) + bf(d[i]));
-}
-
 /* y [M, out] bf16 = x [M, K] @ W^T (+ bias): each run into its columns, as GGMLLinear.forward does. */
 static inline double now(void) {
     struct timespec ts;
@@ -102,7 +96,7 @@ static int linear(const ops_t *op, const lin_t *l, const uint16_t *x, int64_t M,
         col += l->rows[r];
     }
     if (l->bias)
-        for (int64_t m = 0; m < M; m++) add_bf16(y + m * l->out, l->bias, l->out);
+        for (int64_t m = 0; m < M; m++) op->add(y + m * l->out, l->bias, l->out);
     if (p->prof) p->prof[0] += now() - t0;
     return 0;
 }
@@ -135,14 +129,12 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
                         memcpy((uint16_t *)kl + off, ks, D * 2);
                         memcpy((uint16_t *)vl + off, vs, D * 2);
                     } else {
-                        float *kd = (float *)kl + off, *vd = (float *)vl + off;
-                        for (int64_t i = 0; i < D; i++) { kd[i] = bf(ks[i]); vd[i] = bf(vs[i]); }
+                        op->widen(ks, (float *)kl + off, D);
+                        op->widen(vs, (float *)vl + off, D);
                     }
                 }
-                for (int64_t hh = 0; hh < H; hh++) {  /* q as (B, H, T, D) fp32 */
-                    float *qd = qf + ((b * H + hh) * T + t) * D;
-                    for (int64_t i = 0; i < D; i++) qd[i] = bf(row[hh * D + i]);
-                }
+                for (int64_t hh = 0; hh < H; hh++)  /* q as (B, H, T, D) fp32 */
+                    op->widen(row + hh * D, qf + ((b * H + hh) * T + t) * D, D);
             }
         if (p->prof) ta = now();
         if ((rc = op->attend(qf, kl, vl, p->kv_bf16, p->rstride, p->smax * D, D, p->rstride, p->smax * D, D, p->mask,
@@ -150,17 +142,14 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
         if (p->prof) p->prof[1] += now() - ta;
         for (int64_t b = 0; b < p->B; b++)  /* (B, H, T, D) -> (B * T, H * D), rounded to bf16 */
             for (int64_t hh = 0; hh < H; hh++)
-                for (int64_t t = 0; t < T; t++) {
-                    const float *src = att + ((b * H + hh) * T + t) * D;
-                    uint16_t *dst = a + (b * T + t) * hD + hh * D;
-                    for (int64_t i = 0; i < D; i++) dst[i] = rn(src[i]);
-                }
+                for (int64_t t = 0; t < T; t++)
+                    op->narrow(att + ((b * H + hh) * T + t) * D, a + (b * T + t) * hD + hh * D, D);
         if ((rc = linear(op, &L->o, a, M, hD, o, p))) break;
         if ((rc = op->norm(o, x, x, h, L->norm2, M, Hd, p->eps))) break;  /* x = bf16(x + o), h = norm2(x) */
         if ((rc = linear(op, &L->gu, h, M, Hd, gu, p))) break;
         if ((rc = op->silu_mul(gu, M, p->I, s))) break;
         if ((rc = linear(op, &L->down, s, M, p->I, dn, p))) break;
-        add_bf16(x, dn, M * Hd);
+        op->add(x, dn, M * Hd);
     }
     free(buf);
     if (p->prof) p->prof[2] += now() - t0;

@@ -30,6 +30,26 @@ static inline uint16_t rn(float v) {
     return (uint16_t)(r >> 16);
 }
 
+static inline __m256 load_bf8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* rn() on 8 lanes: the bf16 bits in each 32-bit lane's low half. */
+static inline __m256i rn8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                     _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
+    return _mm256_srli_epi32(r, 16);
+}
+
+/* 8 bf16 values from the rounded lanes of rn8 (their low halves), stored at p */
+static inline void store_bf8(uint16_t *p, __m256i r) {
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
 #define MAXH 16384  /* the widest hidden size / head size these per-row buffers take */
 
 /* x, r, h, out: [M, H] bf16 (r and h may be NULL: no residual); w: [H] fp32. The mean of squares: 16 lanes, lane j
@@ -41,23 +61,40 @@ int rms_norm_bf16(const uint16_t *x, const uint16_t *r, uint16_t *h, uint16_t *o
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xm = x + m * H;
         uint16_t *om = out + m * H;
+        int64_t i = 0;
         if (r) {
             const uint16_t *rm = r + m * H;
             uint16_t *hm = h + m * H;
-            for (int64_t i = 0; i < H; i++) hm[i] = rn(bf(xm[i]) + bf(rm[i]));
-            for (int64_t i = 0; i < H; i++) hv[i] = bf(hm[i]);
+            for (; i + 8 <= H; i += 8) {  /* h = bf16(x + r), kept widened */
+                __m256i s = rn8(_mm256_add_ps(load_bf8(xm + i), load_bf8(rm + i)));
+                store_bf8(hm + i, s);
+                _mm256_storeu_ps(hv + i, _mm256_castsi256_ps(_mm256_slli_epi32(s, 16)));
+            }
+            for (; i < H; i++) { hm[i] = rn(bf(xm[i]) + bf(rm[i])); hv[i] = bf(hm[i]); }
         } else {
-            for (int64_t i = 0; i < H; i++) hv[i] = bf(xm[i]);
+            for (; i + 8 <= H; i += 8) _mm256_storeu_ps(hv + i, load_bf8(xm + i));
+            for (; i < H; i++) hv[i] = bf(xm[i]);
         }
-        float acc[16] = {0};
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16)
-            for (int j = 0; j < 16; j++) acc[j] += hv[i + j] * hv[i + j];
+        /* lanes 0-7 and 8-15 of the 16-lane sum of squares: the same order as a scalar acc[16] */
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        i = 0;
+        for (; i + 16 <= H; i += 16) {
+            __m256 v0 = _mm256_loadu_ps(hv + i), v1 = _mm256_loadu_ps(hv + i + 8);
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, v0));
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(v1, v1));
+        }
+        float acc[16];
+        _mm256_storeu_ps(acc, a0);
+        _mm256_storeu_ps(acc + 8, a1);
         for (; i < H; i++) acc[i & 15] += hv[i] * hv[i];
         float s = 0.f;
         for (int j = 0; j < 16; j++) s += acc[j];
         float inv = 1.0f / sqrtf(s / (float)H + eps);
-        for (int64_t k = 0; k < H; k++) om[k] = rn(hv[k] * inv * w[k]);
+        __m256 vinv = _mm256_set1_ps(inv);
+        int64_t k = 0;
+        for (; k + 8 <= H; k += 8)
+            store_bf8(om + k, rn8(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(hv + k), vinv), _mm256_loadu_ps(w + k))));
+        for (; k < H; k++) om[k] = rn(hv[k] * inv * w[k]);
     }
     return 0;
 }
@@ -73,6 +110,23 @@ int rope_bf16(uint16_t *qkv, int64_t rows, int64_t rs, int64_t nrot, int64_t d, 
         for (int64_t i = 0; i < d; i++) { c[i] = bf(cos[t * d + i]); sn[i] = bf(sin[t * d + i]); }
         for (int64_t hd = 0; hd < nrot; hd++) {
             uint16_t *x = qkv + t * rs + hd * d;
+            int64_t i0 = 0;
+            if (half % 8 == 0) {  /* 8 lanes at a time: the same operations, the same bits */
+                for (; i0 < half; i0 += 8) {
+                    __m256 x0 = load_bf8(x + i0), x1 = load_bf8(x + i0 + half);
+                    __m256 pa = _mm256_castsi256_ps(_mm256_slli_epi32(rn8(_mm256_mul_ps(x0, _mm256_loadu_ps(c + i0))), 16));
+                    __m256 qa = _mm256_castsi256_ps(_mm256_slli_epi32(rn8(_mm256_mul_ps(x1, _mm256_loadu_ps(sn + i0))), 16));
+                    __m256 pb = _mm256_castsi256_ps(_mm256_slli_epi32(rn8(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i0 + half))), 16));
+                    __m256 qb = _mm256_castsi256_ps(_mm256_slli_epi32(rn8(_mm256_mul_ps(x0, _mm256_loadu_ps(sn + i0 + half))), 16));
+                    _mm256_storeu_ps(a + i0, _mm256_add_ps(pa, qa));
+                    _mm256_storeu_ps(b + i0, _mm256_add_ps(pb, qb));
+                }
+                for (int64_t i = 0; i < half; i += 8) {
+                    store_bf8(x + i, rn8(_mm256_loadu_ps(a + i)));
+                    store_bf8(x + i + half, rn8(_mm256_loadu_ps(b + i)));
+                }
+                continue;
+            }
             for (int64_t i = 0; i < half; i++) {
                 float x0 = bf(x[i]), x1 = bf(x[i + half]);
                 a[i] = bf(rn(x0 * c[i])) + bf(rn(x1 * sn[i]));               /* rot(x)[i] = x[i + d/2] */
@@ -109,20 +163,7 @@ static inline __m256 exp8(__m256 x0) {
     return _mm256_blendv_ps(y, x0, _mm256_cmp_ps(x0, x0, _CMP_UNORD_Q));
 }
 
-static inline __m256 load_bf8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
 
-/* rn() on 8 lanes: the bf16 bits in each 32-bit lane's low half. */
-static inline __m256i rn8(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
-                                 _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                     _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan);
-    return _mm256_srli_epi32(r, 16);
-}
 
 /* o[j] = bf16(bf16(silu(g[j])) * u[j]) for n <= 8 elements (fewer: through zero-padded copies, same lanes). */
 static inline void silu8(const uint16_t *g, const uint16_t *u, uint16_t *o, int n) {
@@ -144,8 +185,35 @@ static inline void silu8(const uint16_t *g, const uint16_t *u, uint16_t *o, int 
 
 /* gu: [M, 2 * I] bf16 (gate columns first, then up); out: [M, I] bf16. */
 int silu_mul_bf16(const uint16_t *gu, int64_t M, int64_t I, uint16_t *out) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i += 8)
-            silu8(gu + m * 2 * I + i, gu + m * 2 * I + I + i, out + m * I + i, I - i < 8 ? (int)(I - i) : 8);
+    int64_t per = (I + 7) / 8, n = M * per;  /* 8-element pieces; each computed alone: any split, the same bits */
+#pragma omp parallel for schedule(static) if (M * I >= 4096)
+    for (int64_t k = 0; k < n; k++) {
+        int64_t m = k / per, i = (k % per) * 8;
+        silu8(gu + m * 2 * I + i, gu + m * 2 * I + I + i, out + m * I + i, I - i < 8 ? (int)(I - i) : 8);
+    }
+    return 0;
+}
+
+/* x = bf16(x + d), n elements (PyTorch's bf16 add: the exact sum in fp32, rounded once). */
+int add_bf16(uint16_t *x, const uint16_t *d, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store_bf8(x + i, rn8(_mm256_add_ps(load_bf8(x + i), load_bf8(d + i))));
+    for (; i < n; i++) x[i] = rn(bf(x[i]) + bf(d[i]));
+    return 0;
+}
+
+/* dst = bf16(src), n elements, rounded to nearest even (PyTorch's .to(torch.bfloat16)). */
+int f32_to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) store_bf8(dst + i, rn8(_mm256_loadu_ps(src + i)));
+    for (; i < n; i++) dst[i] = rn(src[i]);
+    return 0;
+}
+
+/* dst = float(src), n elements (exact). */
+int bf16_to_f32(const uint16_t *src, float *dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf8(src + i));
+    for (; i < n; i++) dst[i] = bf(src[i]);
     return 0;
 }
