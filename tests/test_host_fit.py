@@ -636,3 +636,24 @@ def test_a_burst_of_other_work_does_not_remeasure_the_curve(tiny, tmp_path, monk
     again = cost_mod.batch_cost_cached(model, 1, log=lines.append)
     assert not looks and "read from" in lines[-1], lines
     assert all(again(1, t) == pytest.approx(first(1, t)) for t in TOKENS)
+
+
+def test_a_curve_measured_on_a_busy_host_is_measured_again_and_never_cached(tiny, tmp_path, monkeypatch):
+    """A 2-token pass 2.3x a 3-token one (measured, and once cached, with another process on a core): measured
+    again; cached only once a measurement looks like a host's own."""
+    from specloom import cost as cost_mod
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    busy = cost_mod.BatchCost({(1, t): (2.84 if t == 2 else 1.0 + 0.05 * t) for t in TOKENS})
+    good = cost_mod.BatchCost({(1, t): 1.0 + 0.05 * t for t in TOKENS})
+    assert cost_mod.busy_shape(busy).startswith("1 x 2 tokens took") and cost_mod.busy_shape(good) == ""
+    results = [busy, busy]
+    monkeypatch.setattr(cost_mod, "measure_batch_cost", lambda m, rows, budget_s=None: results.pop(0))
+    lines = []
+    assert cost_mod.batch_cost_cached(model, 1, log=lines.append) is busy  # used for this run ...
+    assert not list((tmp_path / "specloom" / "verify_cost").glob("*.json"))  # ... never cached
+    assert any("not cached" in line for line in lines)
+    results[:] = [busy, good]
+    assert cost_mod.batch_cost_cached(model, 1) is good
+    assert len(list((tmp_path / "specloom" / "verify_cost").glob("batch2-*.json"))) == 1
