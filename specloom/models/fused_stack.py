@@ -169,6 +169,8 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
     if store.k_scale is not None or store.k.dtype not in (torch.float32, torch.bfloat16) \
             or not store.k.is_contiguous() or not store.v.is_contiguous():
         return None
+    if "full" not in ctx.cos_sin or "sliding" in ctx.cos_sin:  # every layer full attention (no sliding window)
+        return None
     cos, sin = ctx.cos_sin["full"]
     B, T, _ = x.shape
     if (B, T) != (kvp.n, kvp.T) or cos.dtype != torch.bfloat16 or not cos.is_contiguous() \
