@@ -180,7 +180,7 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
     if st is None:
         return None
     mask = ctx.masks.get("full")
-    Lyr, R, Hkv, smax, D = store.k.shape
+    _, R, Hkv, smax, D = store.k.shape
     es = store.k.element_size()
     p = _Pass(B=B, T=T, Hd=st.hidden, H=st.heads, Hkv=st.kv_heads, D=st.head_dim, I=st.inter, eps=st.eps,
               scale=st.scale, kv_bf16=int(store.k.dtype == torch.bfloat16), lstride=R * Hkv * smax * D,

@@ -174,13 +174,8 @@ static inline void silu8(const uint16_t *g, const uint16_t *u, uint16_t *o, int 
     __m256 sb = _mm256_castsi256_ps(_mm256_slli_epi32(
         rn8(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e))), 16));
     __m256i r = rn8(_mm256_mul_ps(sb, load_bf8(u)));
-    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    if (n == 8) {
-        _mm_storeu_si128((__m128i *)o, packed);
-    } else {
-        _mm_storeu_si128((__m128i *)op, packed);
-        memcpy(o, op, n * 2);
-    }
+    store_bf8(n == 8 ? o : op, r);
+    if (n < 8) memcpy(o, op, n * 2);
 }
 
 /* gu: [M, 2 * I] bf16 (gate columns first, then up); out: [M, I] bf16. */
