@@ -69,6 +69,7 @@ class BatchCost:
         self.rows = sorted({n for n, _ in seconds})
         self.tokens = sorted({t for _, t in seconds})
         self.base = seconds[(self.rows[0], self.tokens[0])]
+        self.observed: dict[tuple[int, int], float] = {}  # grid point -> served passes calibrating it (weights)
 
     def __call__(self, n: int, t: int) -> float:
         return self._interp(n, t) / self.base
@@ -117,6 +118,14 @@ class BatchCost:
         ratio = min(max(seconds / self._interp(n, t), 0.25), 4.0)
         for key, share in self._corners(n, t):
             self.seconds[key] *= 1 + weight * share * (ratio - 1)
+            self.observed[key] = self.observed.get(key, 0.0) + share
+
+    def adopt(self, other: "BatchCost") -> None:
+        """Take `other`'s points (a fresh measurement) in place, so that every holder of this curve (the depth
+        policy) prices with them from the next step on; calibration starts afresh."""
+        self.seconds = dict(other.seconds)
+        self.rows, self.tokens, self.base = list(other.rows), list(other.tokens), other.base
+        self.observed = {}
 
     def _corners(self, n: float, t: float) -> list[tuple[tuple[int, int], float]]:
         """The grid points that (n, t) interpolates between, with their weights (clamped to the grid's edges)."""
@@ -175,40 +184,65 @@ def measure_batch_cost(model, max_rows: int, context: int = 128, repeats: int | 
     could pay), then made monotone in rows. `repeats` default: 7 for one row (Engine.generate:
     a few seconds), 3 for a serving grid. `budget_s`: no further repeat starts once that many seconds have gone
     (one warm-up and one timed round always run; online calibration refines a curve cut short)."""
+    gen = measure_in_passes(model, max_rows, context, repeats, budget_s, tokens)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            cost = done.value
+            break
+    if progress:
+        for (n, t), v in cost.seconds.items():
+            progress(n, t, v)
+    return cost
+
+
+@torch.inference_mode()
+def _timed_pass(model, x, pos, kv) -> float:
+    dev = model.device
+    sync(dev)
+    s = time.perf_counter()
+    model(x, pos, kv)
+    sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
+    return time.perf_counter() - s
+
+
+def measure_in_passes(model, max_rows: int, context: int = 128, repeats: int | None = None,
+                      budget_s: float | None = None, tokens=TOKENS):
+    """`measure_batch_cost` one pass at a time: a generator that yields after every pass (so a server can
+    measure in its idle moments, cost_refresh.py) and returns the BatchCost. `budget_s` counts only the time spent
+    inside it, not the pauses between passes."""
     rows = [n for n in ROWS if n <= max_rows] or [1]
     repeats = repeats or (7 if rows == [1] else 3)
-    pool = model.new_kv(context + max(tokens) + 1, batch=max(rows), active=0)
     dev = model.device
-    for i in range(max(rows)):
-        r = pool.allocate()
-        m = context - i % 4
-        x = torch.randint(0, model.config.vocab_size, (1, m), device=dev)
-        model(x, torch.arange(m, device=dev)[None], pool.begin([r], [m]), num_logits=1)
-        pool.commit(row=r)
-    grid = [(n, t) for n in rows for t in tokens]
-    inputs = {}
-    for n, t in grid:
-        lengths = torch.tensor(pool.lengths[:n], device=dev)[:, None]
-        inputs[(n, t)] = (torch.randint(0, model.config.vocab_size, (n, t), device=dev),
-                          lengths + torch.arange(t, device=dev)[None])
+    with torch.inference_mode():
+        pool = model.new_kv(context + max(tokens) + 1, batch=max(rows), active=0)
+        for i in range(max(rows)):
+            r = pool.allocate()
+            m = context - i % 4
+            x = torch.randint(0, model.config.vocab_size, (1, m), device=dev)
+            model(x, torch.arange(m, device=dev)[None], pool.begin([r], [m]), num_logits=1)
+            pool.commit(row=r)
+        grid = [(n, t) for n in rows for t in tokens]
+        inputs = {}
+        for n, t in grid:
+            lengths = torch.tensor(pool.lengths[:n], device=dev)[:, None]
+            inputs[(n, t)] = (torch.randint(0, model.config.vocab_size, (n, t), device=dev),
+                              lengths + torch.arange(t, device=dev)[None])
     times = {key: [] for key in grid}
-    t0 = time.perf_counter()
+    spent = 0.0
     for rep in range(repeats + 1):  # the first round warms up
-        if rep > 1 and budget_s is not None and time.perf_counter() - t0 > budget_s:
+        if rep > 1 and budget_s is not None and spent > budget_s:
             break
         for n, t in grid:
             x, pos = inputs[(n, t)]
-            sync(dev)
             s = time.perf_counter()
-            model(x, pos, pool.begin(range(n), [t] * n))
-            sync(dev)  # CUDA runs asynchronously: time the kernels, not their launch
+            took = _timed_pass(model, x, pos, pool.begin(range(n), [t] * n))
+            spent += time.perf_counter() - s
             if rep:
-                times[(n, t)].append(time.perf_counter() - s)
-    out = monotone({key: min(ts) for key, ts in times.items()})
-    if progress:
-        for (n, t), v in out.items():
-            progress(n, t, v)
-    return BatchCost(out)
+                times[(n, t)].append(took)
+            yield
+    return BatchCost(monotone({key: min(ts) for key, ts in times.items()}))
 
 
 @torch.inference_mode()

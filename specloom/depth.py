@@ -164,7 +164,6 @@ class DepthPolicy:
         self.idle_free = cheap if idle_free is None else idle_free  # idle steps cost it nothing (probe, not off)
         self.prior_alpha = prior_alpha
         self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
-        self.t1 = cost.base if cost is not None else None  # seconds of one 1x1 pass (the cost curve's unit)
         self.explore_base, self.explore_max, self.patience = 8, 64, 8
         # a row's first `trial` drafted steps judge it at no less than the drafter's prior -- or than what its
         # own drafts still allow, if lower (`alpha`): two unlucky first steps (alpha 0.5 -> 0.2) would otherwise
@@ -363,7 +362,8 @@ class DepthPolicy:
         pass, check the policy's own predictions (`optimism`), update each row's acceptance and the drafting
         cost."""
         n, ks, free = len(rows), plan.depths, plan.free
-        unit = self.t1
+        unit = self.cost.base if self.cost is not None else None  # seconds of one 1x1 pass (the curve's unit; a
+        # curve refreshed in idle time, cost_refresh.py, brings its own)
         if self.cost is not None and self.mode == "load_aware":
             if not self.calibrate and not self.cost.frozen and rep.pass_seconds > 0:
                 # an uncalibrated measured curve: drafting time in units of this very step's pass (seconds of

@@ -212,6 +212,10 @@ def run_doctor(engine, prompts: list[str] | None = None, max_tokens: int = 48, m
     prompts = prompts or read_doctor_prompts(None)
     if quick:
         prompts, max_tokens, measure_plain = prompts[:2], min(max_tokens, 32), False
+    if quick and cost is None:  # the server's start-up: its cached curve as read, or a one-row probe (no minute of
+        from .cost_refresh import startup_curve  # measuring before the server is ready)
+
+        cost = startup_curve(engine.model, 1)[0]
     path, diffs, behaviour, tau_expected = checkpoint_findings(engine)
     probe = acceptance_probe(engine, prompts, max_tokens, measure_plain)
     by_depth, best, best_k, curve, draft_cost = predict(engine, probe["tau"], probe["draft_seconds"],

@@ -81,12 +81,14 @@ class Sequence(Request):
 
 class BatchScheduler:
     def __init__(self, engine, rows: int, mode: str = "fixed", cost=None, max_queue: int | None = None,
-                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True, monitor=None):
+                 kv_dtype: torch.dtype | None = None, on_step=None, start: bool = True, monitor=None, idle_work=None):
         """`start` False: the caller runs `run()` itself -- on CPU, from the main thread: PyTorch's OpenMP
         thread team belongs to the thread that first used it, and steps from another thread ran ~40 % slower
         here (measured: 34 vs 49 ms per SmolLM2 decode step on 2 cores). `monitor`: a live acceptance monitor
         handed in by the server (`observe(trees, accepted)`, `degraded`, `alpha`: serving/monitor.py's
-        `attach_monitor`), or None; `on_step(batch_size, depths)`: the server's metrics."""
+        `attach_monitor`), or None; `on_step(batch_size, depths)`: the server's metrics. `idle_work()`: called
+        while nothing is queued or running (e.g. cost_refresh.CurveRefresh.step: verify-cost passes in idle time),
+        returns how long to wait before calling it again (0: at once; None: never)."""
         self.engine = engine
         self.model = engine.model
         self.drafter = engine.drafter
@@ -109,6 +111,7 @@ class BatchScheduler:
         self._closed = False
         self._drain_until: float | None = None  # set by drain(): admit nothing new, stop when idle or at this time
         self._drain_timeout = 0.0
+        self.idle_work = idle_work
         self.steps = 0
         self._last_top, self._last_log = -1, 0.0
         self.thread = None
@@ -166,11 +169,16 @@ class BatchScheduler:
         are done or the grace period is over (those left fail with ShuttingDown). An exception that escapes an iteration (a bug outside
         the step's own per-row handling) is logged and fails only the sequences it could have touched; the loop
         goes on serving."""
+        pause = 0.0  # before the next idle work (None: none left)
         while True:
             with self.cv:
                 idle = not self.waiting and not self.running and self.prefilling is None
                 while not self._closed and self._drain_until is None and idle:
-                    self.cv.wait()
+                    if self.idle_work is not None and pause is not None and pause <= 0:
+                        break
+                    woke = self.cv.wait(pause if self.idle_work is not None else None)
+                    if not woke and pause is not None:
+                        pause = 0.0
                     idle = not self.waiting and not self.running and self.prefilling is None
                 late = self._drain_until is not None and time.monotonic() >= self._drain_until
                 if self._closed or late or (self._drain_until is not None and idle):
@@ -180,6 +188,15 @@ class BatchScheduler:
                     for s in list(self.waiting) + pending:
                         s.settle(error)
                     return
+            if idle:  # nothing to serve: one slice of idle work (a request arriving now waits for one pass)
+                try:
+                    pause = self.idle_work()
+                except Exception:
+                    log.exception("idle work failed; it is dropped")
+                    pause = None
+                if pause is None:
+                    self.idle_work = None
+                continue
             try:
                 self._iterate()
             except Exception as e:

@@ -92,33 +92,99 @@ def test_the_page_script_parses_and_reads_sse(tmp_path):
 
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+CHROMEDRIVER = shutil.which("chromedriver")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (chromium, chromium-browser or google-chrome) on this host")
-def test_the_page_in_a_real_browser(tiny_smol, tmp_path):
+class _Browser:
+    """Headless Chromium through chromedriver's WebDriver HTTP API (urllib only: no Selenium or Playwright)."""
+
+    def __init__(self, profile):
+        import socket
+        import time
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.driver = subprocess.Popen([CHROMEDRIVER, f"--port={port}"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        self.base = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                self._call("GET", "/status")
+                break
+            except OSError:
+                time.sleep(0.1)
+        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                "--window-size=900,700", f"--user-data-dir={profile}"]
+        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {"binary": CHROMIUM, "args": args}}}}
+        self.session = "/session/" + self._call("POST", "/session", caps)["sessionId"]
+
+    def _call(self, method, path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["value"]
+
+    def open(self, url):
+        self._call("POST", self.session + "/url", {"url": url})
+
+    def run(self, script):
+        return self._call("POST", self.session + "/execute/sync", {"script": script, "args": []})
+
+    def screenshot(self) -> bytes:
+        import base64
+
+        return base64.b64decode(self._call("GET", self.session + "/screenshot"))
+
+    def close(self):
+        try:
+            self._call("DELETE", self.session)
+        finally:
+            self.driver.terminate()
+            self.driver.wait(10)
+
+
+@pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
+                    reason="no Chromium and chromedriver on this host (Debian: chromium, chromium-driver)")
+def test_the_page_in_a_real_browser(smollm2, tmp_path):
     """Headless Chromium opens the page on a server without a key, which sends a prompt by itself (?autorun=1);
-    the screenshot after the stream must show the accepted drafts' green."""
+    SmolLM2-135M drafts for itself (every draft accepted). Once the page says the answer is complete, the answer
+    box holds the answer, its tokens in the accepted drafts' green (the screenshot, below the legend's green), and
+    the figures line counts them."""
+    import io
+    import time
+
+    from PIL import Image
+
     from specloom import Engine
     from specloom.bench.serve_load import LiveServer
     from specloom.serving.api import Server
     from specloom.speculative import SpeculativeConfig
 
-    model, tokenizer, path = tiny_smol
-    spec = SpeculativeConfig.parse({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
-    server = LiveServer(Server(Engine(model, tokenizer, spec, max_model_len=512), "tiny", max_num_seqs=2,
-                               speculation="fixed"))
+    spec = SpeculativeConfig.parse({"method": "draft_model", "model": smollm2.path, "num_speculative_tokens": 3})
+    engine = Engine(smollm2.model, smollm2.tokenizer, spec, max_model_len=512)
+    expected = engine.generate(messages=[{"role": "user", "content": "Count to ten"}], max_tokens=48, chat=True).text
+    server = LiveServer(Server(engine, "smollm2", max_num_seqs=2, speculation="fixed"))
+    browser = _Browser(tmp_path / "profile")
     try:
-        shot = tmp_path / "page.png"
-        url = f"http://127.0.0.1:{server.port}/?autorun=1&max_tokens=48&prompt=Count%20to%20ten"
-        subprocess.run([CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
-                        "--window-size=900,700", "--virtual-time-budget=20000", url], capture_output=True,
-                       timeout=120)
-        from PIL import Image
-
-        img = Image.open(shot).convert("RGB")
-        green = sum(1 for p in img.getdata() if p == (0xC9, 0xF2, 0xC7))
-        assert green > 200, "no accepted-draft highlighting in the screenshot"
+        browser.open(f"http://127.0.0.1:{server.port}/?autorun=1&max_tokens=48&prompt=Count%20to%20ten")
+        deadline = time.monotonic() + 120
+        while not browser.run("return window.specloomDone === true;"):
+            assert time.monotonic() < deadline, "the page never finished its answer"
+            time.sleep(0.2)
+        text = browser.run("return document.getElementById('out').textContent;")
+        stats = browser.run("return document.getElementById('stats').textContent;")
+        assert text == expected, (text, expected)
+        tokens, steps = (int(x) for x in re.match(r"(\d+) tokens in (\d+) steps", stats).groups())
+        assert steps < tokens, stats  # several tokens per step: the drafts were accepted
+        img = Image.open(io.BytesIO(browser.screenshot())).convert("RGB")
         if os.environ.get("SPECLOOM_PAGE_SHOT"):
             img.save(os.environ["SPECLOOM_PAGE_SHOT"])
+        answer = img.crop((0, 320, img.width, img.height)).tobytes()  # below the form: the answer box
+        green = sum(1 for i in range(0, len(answer), 3) if answer[i:i + 3] == bytes((0xC9, 0xF2, 0xC7)))
+        assert green > 2000, f"no accepted-draft highlighting in the answer box ({green} green pixels)"
     finally:
+        browser.close()
         server.close()

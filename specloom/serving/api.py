@@ -36,7 +36,7 @@ class Server:
         from `specloom doctor`); None: the drafter manifest's measured tau (serving/monitor.py)."""
         from ..scheduler import BatchScheduler, parse_size, plan_memory
         from .monitor import attach_monitor
-        from ..cost import batch_cost_cached
+        from ..cost_refresh import startup_curve
         from .metrics import Metrics
 
         self.engine = engine
@@ -56,11 +56,13 @@ class Server:
         self.memory = plan_memory(engine, max_num_seqs, parse_size(memory_budget), kv_dtype)
         rows = self.memory["rows"]
         mode = speculation or ("load_aware" if engine.drafter else "off")
-        if mode == "load_aware" and engine.drafter and cost is None:
-            cost = batch_cost_cached(engine.model, rows, log=lambda m: print(f"specloom: {m}", file=sys.stderr,
-                                                                               flush=True))
+        self.cost_refresh = None  # the verify-cost curve's idle-time check or measurement (cost_refresh.py)
+        if mode == "load_aware" and engine.drafter and cost is None:  # ready at once on what is cached (or a
+            # one-row probe); the rest happens while no request is running
+            cost, self.cost_refresh = startup_curve(engine.model, rows, log=lambda m: print(
+                f"specloom: {m}", file=sys.stderr, flush=True))
         self.scheduler = BatchScheduler(engine, rows, mode, cost, max_queue, kv_dtype, on_step=self.metrics.step,
-                                        start=start)
+                                        start=start, idle_work=self.cost_refresh.step if self.cost_refresh else None)
         mon = attach_monitor(self.scheduler, expected_tau)
         self.metrics.bind(self.scheduler)
         self.max_n = rows
