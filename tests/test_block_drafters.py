@@ -1,4 +1,4 @@
-"""Block drafters (DFlash, DSpark) on a tiny random fp32 target: random-init drafters give output identical to
+"""Block drafters (DFlash, DFlash 2, DSpark) on a tiny random fp32 target: random-init drafters give output identical to
 plain greedy decoding (Markov heads vanilla / gated / rnn, confidence head, a truncating threshold); "oracle" slots
 that predict the true continuation are all accepted (tau = drafts + 1); temperature sampling matches plain
 sampling; every checkpoint layout round-trips (z-lab, speculators dflash/dspark, DeepSpec, built into a target HF
@@ -27,14 +27,15 @@ IDS = (1, 2, 3)  # HF hidden_states ids of the 3-layer tiny target (z-lab ids 0,
 
 
 def make_block(t, dspark: bool, block: int, markov: str | None = None, layers: int = 2, seed: int = 0,
-               confidence: bool = False) -> BlockDraftModel:
+               confidence: bool = False, dflash2: bool = False) -> BlockDraftModel:
     c = t.model.config
     cfg = BlockDraftConfig(
         hidden_size=c.hidden_size, num_layers=layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim, intermediate_size=96, vocab_size=c.vocab_size, block_size=block, mask_token_id=3,
         feature_ids=IDS, target_hidden_size=c.hidden_size, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
         anchor_predicts=dspark, markov_rank=8 if markov else 0, markov_head_type=markov or "vanilla",
-        confidence_head=confidence)
+        confidence_head=confidence,
+        **(dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=6) if dflash2 else {}))
     m = BlockDraftModel(cfg)
     init_weights(m, seed, std=0.3)
     m.attach_target(t.model)
@@ -57,6 +58,8 @@ def blocks(tiny, tmp_path_factory):
         "dspark_gated": save(t, make_block(t, True, 4, "gated", seed=1), "dspark", str(root / "gated"),
                              fmt="speculators"),
         "dspark_rnn": save(t, make_block(t, True, 3, "rnn", seed=2, confidence=True), "dspark", str(root / "rnn")),
+        # random convs and selector (not their neutral start): every part of DFlash 2 shapes the drafts
+        "dflash2": save(t, make_block(t, False, 5, seed=3, dflash2=True), "dflash2", str(root / "dflash2")),
     }
 
 
@@ -74,6 +77,8 @@ CASES = [
     ("dspark", {}),
     ("dspark_gated", {}),
     ("dspark_rnn", {}),
+    ("dflash2", {}),
+    ("dflash2", {"num_speculative_tokens": 2}),
 ]
 
 
@@ -123,7 +128,7 @@ class _Oracle:
         d.model.draft_logits = draft_logits
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark_rnn"])
+@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark_rnn", "dflash2"])
 def test_oracle_all_accepted(blocks, name):
     t, paths = blocks
     for ids in PROMPTS:
@@ -137,7 +142,7 @@ def test_oracle_all_accepted(blocks, name):
         assert got.mean_accepted_length == pytest.approx(k + 1, rel=0.15)
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark_gated"])
+@pytest.mark.parametrize("name", ["dflash", "dspark_gated", "dflash2"])
 def test_sampling_distribution(blocks, name, sampling_tv):
     t, paths = blocks
     e = engine(t, paths[name], name.split("_")[0])
@@ -184,6 +189,56 @@ def test_formats_round_trip(blocks, tmp_path):
     save_file(sd, str(tmp_path / "deepspec" / "model.safetensors"))
     json.dump(deep, open(tmp_path / "deepspec" / "config.json", "w"))
     _same(ds, engine(t, str(tmp_path / "deepspec"), "dspark").drafter.model)
+
+
+def test_dflash2_checkpoint_and_selector(blocks, tmp_path):
+    """The z-lab DFlash 2 layout round-trips; its drafts are the selector's: every draft lies in its slot's top-k
+    of the unrescored logits, and q (sampling) is supported on those k only; a checkpoint without its selector,
+    or served as the wrong kind, fails with one clear line."""
+    from safetensors.torch import load_file, save_file
+
+    t, paths = blocks
+    d2 = engine(t, paths["dflash2"], "dflash2").drafter
+    raw = json.load(open(os.path.join(paths["dflash2"], "config.json")))
+    assert raw["architectures"] == ["DFlash2DraftModel"]
+    dc = raw["dflash_config"]
+    assert (dc["conv_kernel_size"], dc["conv_group_size"], dc["selector_rank"], dc["selector_top_k"]) == (2, 16, 8, 6)
+    sd = load_file(os.path.join(paths["dflash2"], "model.safetensors"))
+    assert sd["candidate_selector.predecessor_codebook"].shape == (256, 8)  # stored without `.weight`
+    assert sd["layers.1.mlp_conv.kernel_projection.weight"].shape == (2 * 2 * 64 // 16, 64)
+    again = save(t, d2.model, "dflash2", str(tmp_path / "again"))
+    _same(d2.model, engine(t, again, "dflash2").drafter.model)
+    # the drafts are the selector's choice among the top-k, and q lives on them
+    m = d2.model
+    seen = []
+    orig = m.candidate_selector.full
+
+    def spy(logits, h, prev):
+        out = orig(logits, h, prev)
+        seen.append((logits.topk(6, -1).indices, out))
+        return out
+
+    m.candidate_selector.full = spy
+    e = engine(t, paths["dflash2"], "dflash2")
+    e.drafter.model.candidate_selector.full = spy
+    e.generate(prompt_token_ids=PROMPTS[0], max_tokens=8, ignore_eos=True, temperature=0.8, seed=1)
+    assert seen
+    for top, full in seen:
+        finite = torch.isfinite(full)
+        assert (finite.sum(-1) == 6).all()
+        assert torch.equal(finite.nonzero()[:, -1].view(top.shape).sort(-1).values, top.sort(-1).values)
+    # incomplete and mismatched checkpoints
+    bad = tmp_path / "no_selector"
+    shutil.copytree(paths["dflash2"], bad)
+    sd = {k: v for k, v in load_file(str(bad / "model.safetensors")).items() if not k.startswith("candidate_")}
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(SpecloomError, match="has no candidate selector .* incomplete") as err:
+        engine(t, str(bad), "dflash2")
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecloomError, match='DFlash 2 checkpoint .* not dflash .*"dflash2"'):
+        engine(t, paths["dflash2"], "dflash")
+    with pytest.raises(SpecloomError, match='this is a dflash checkpoint, not dflash2 .*"dflash"'):
+        engine(t, paths["dflash"], "dflash2")
 
 
 def _target_copy(t, dst, index: bool = False) -> str:
@@ -307,6 +362,8 @@ def dataset(tiny, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind,extra", [("dflash", ["--block-size", "4"]),
+                                        ("dflash2", ["--block-size", "4", "--selector-rank", "8",
+                                                     "--selector-top-k", "4", "--conv-group-size", "16"]),
                                         ("dspark", ["--block-size", "3", "--markov-rank", "8",
                                                     "--markov-head", "gated", "--warm-start-layer", "-1"])])
 def test_train_block_drafter(dataset, kind, extra):
@@ -328,6 +385,9 @@ def test_train_block_drafter(dataset, kind, extra):
         assert st["settings"]["warm_start_layer"] == -1
     if kind == "dspark":
         assert raw["dspark_block_size"] == 3 and raw["dspark_markov_head_type"] == "gated"
+    elif kind == "dflash2":
+        assert raw["architectures"] == ["DFlash2DraftModel"] and raw["dflash_config"]["selector_rank"] == 8
+        assert "in_top_k" in hist[-1]
     else:
         assert raw["architectures"] == ["DFlashDraftModel"] and raw["num_hidden_layers"] == 1
     e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": kind, "model": out}))

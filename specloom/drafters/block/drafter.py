@@ -1,4 +1,5 @@
-"""Block drafters at inference: `dflash` and `dspark` (drafters.md §5.2, §6.1). One drafter pass per step.
+"""Block drafters at inference: `dflash`, `dflash2` and `dspark` (drafters.md §5.2, §5.4, §6.1). One drafter pass
+per step.
 
 Per step: the drafter KV takes the context keys/values of the newly committed positions (the prefill's prompt
 positions, then the rows `result.path` of each verification pass); the block [root, MASK ...] at positions
@@ -6,6 +7,10 @@ n .. n+B-1 (n = the root's position) runs once over that context; its slots give
 
 * DFlash: slots 1..B-1 (slot p predicts position n+p), each the argmax / a sample of its own distribution;
   `num_speculative_tokens` defaults to B-1 and may be lower, never higher.
+* DFlash 2: as DFlash, through its convs; then, left to right, the candidate selector rescores each slot's top-k
+  with the token chosen before it (the root at the first) and the draft is the argmax / a sample of those k
+  scores (inverse CDF over the candidates, `draw`), q = softmax over them (zero elsewhere): the distribution it
+  was drawn from, so verification stays exact.
 * DSpark: slots 0..B-1 (slot p predicts position n+p+1), left to right, each slot's logits plus the Markov bias
   of the token chosen before it (slot 0: the root), q = that corrected distribution. `num_speculative_tokens`
   must be B: the slots are one trained block. With a confidence head and `confidence_threshold` > 0 the chain
@@ -180,16 +185,19 @@ class BlockDrafter(Drafter):
                 for b in range(B):
                     if p < live[b] and conf[b] < self.threshold:
                         live[b] = p
-            lp = logits[:, p]
-            if m.has_markov:
-                bias, state = m.markov_bias(prev, h[:, p], state)
-                lp = lp + bias
+            lp, state = m.chain_logits(logits[:, p], h[:, p], prev, state)
             prev = torch.tensor(draw(ctxs, lp, [p < lv for lv in live], drafts, qs), device=dev)
         return chains(ctxs, drafts, qs)
 
 
 @register("dflash", {"confidence_threshold": float_key(0.0, 1.0)}, (".trainer",))
 class DFlashDrafter(BlockDrafter):
+    pass
+
+
+@register("dflash2", {}, (".trainer",), no_export="speculators' DFlash 2 layout is not public; its checkpoint is "
+                                                  "z-lab's (DFlash2DraftModel), which vLLM reads as it is")
+class DFlash2Drafter(BlockDrafter):
     pass
 
 

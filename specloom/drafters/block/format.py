@@ -1,10 +1,16 @@
-"""Block drafter checkpoint formats (DFlash, DSpark; drafters.md §5.5, §6.2, §6.3, §7): read and write.
+"""Block drafter checkpoint formats (DFlash, DFlash 2, DSpark; drafters.md §5.4, §5.5, §6.2, §6.3, §7): read and
+write.
 
 Layouts read (one `BlockDraftConfig` comes out of each):
 * `zlab` -- z-lab DFlash: `architectures: ["DFlashDraftModel"]`, `num_hidden_layers` = draft depth,
   `num_target_layers`, `block_size` (top level or in `dflash_config`), `dflash_config.{target_layer_ids,
   mask_token_id}`; ids are decoder-layer outputs (ours = id + 1). Tensors `fc`, `hidden_norm`, `norm`, `layers.*`.
   Our default for `dflash`.
+* `dflash2` -- z-lab DFlash 2 (PyPI `dflash` 0.1.0): as `zlab` with `architectures: ["DFlash2DraftModel"]` and
+  `dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k, input_embedding_scale,
+  output_multiplier, final_logit_softcapping}`; extra tensors `layers.{l}.{attention_conv,mlp_conv}.{base_kernel,
+  kernel_projection.weight}` and `candidate_selector.{predecessor_codebook, successor_codebook}` (no `.weight`),
+  `candidate_selector.hidden_projection.weight`. The only DFlash 2 layout (speculators' is not public).
 * `speculators` -- `speculators_model_type` dflash | dspark: `transformer_layer_config`, `block_size`,
   `aux_hidden_state_layer_ids` (HF ids), `mask_token_id`, `sample_from_anchor`, `markov_rank`, `markov_head_type`,
   `enable_confidence_head`, `confidence_head_with_markov`; tensors as z-lab plus `markov_head.*`,
@@ -67,14 +73,15 @@ def layout_of(raw: dict) -> str:
     return "a target model" if "num_hidden_layers" in raw and "model_type" in raw else "unknown"
 
 
-LAYOUTS = {"dflash": ("zlab", "speculators-dflash"), "dspark": ("builtin", "speculators-dspark", "deepspec")}
+LAYOUTS = {"dflash": ("zlab", "speculators-dflash"), "dflash2": ("dflash2",),
+           "dspark": ("builtin", "speculators-dspark", "deepspec")}
 
 
 def meta_of(raw: dict) -> dict:
     """Our metadata: `specloom_dspark` inside a target's config.json, else a `specloom` block of a block drafter
     (a target's own `specloom` block, e.g. of a draft model, is not ours to read)."""
     m = raw.get("specloom_dspark") or raw.get("specloom") or {}
-    return m if m.get("kind") in (None, "dflash", "dspark") else {}
+    return m if m.get("kind") in (None, "dflash", "dflash2", "dspark") else {}
 
 
 def default_zlab_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -91,13 +98,14 @@ def check_layout(path: str, raw: dict, method: str) -> str:
     if layout in LAYOUTS[method]:
         return layout
     if layout == "dflash2":
-        raise SpecloomError(f"{path}: a DFlash 2 checkpoint (DFlash2DraftModel); specloom serves DFlash only")
+        raise SpecloomError(f'{path}: a DFlash 2 checkpoint (DFlash2DraftModel), not {method} (use "method": '
+                            '"dflash2")')
     other = {"zlab": "dflash", "speculators-dflash": "dflash", "speculators-dspark": "dspark",
              "deepspec": "dspark", "builtin": "dspark"}.get(layout, layout.replace("speculators-", ""))
     if method == "dspark" and other == "a target model":
         raise SpecloomError(f"{path}: this target checkpoint has no built-in DSpark drafter (no dspark_block_size "
                             "in its config.json)")
-    hint = f' (use "method": "{other}")' if other in ("dflash", "dspark", "eagle", "eagle3", "medusa", "mtp") else ""
+    hint = f' (use "method": "{other}")' if other in ("dflash", "dflash2", "dspark", "eagle", "eagle3", "medusa", "mtp") else ""
     raise SpecloomError(f"{path}: this is a {other} checkpoint, not {method}{hint}")
 
 
@@ -163,6 +171,17 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
                      markov_head_type=str_field(raw, "markov_head_type", "vanilla", what=what),
                      confidence_head=b(raw, "enable_confidence_head", False) and deepspec,
                      confidence_with_markov=b(raw, "confidence_head_with_markov", True))
+        if layout == "dflash2":
+            extra.update(
+                conv_kernel_size=i(dc, "conv_kernel_size", 2, prefix="dflash_config.", bound="block_size"),
+                conv_group_size=i(dc, "conv_group_size", 1, prefix="dflash_config.", bound="hidden_size"),
+                selector_rank=i(dc, "selector_rank", 256, prefix="dflash_config.", bound="markov_rank"),
+                selector_top_k=i(dc, "selector_top_k", 16, prefix="dflash_config.", bound="vocab_size"),
+                input_embedding_scale=float_field(dc, "input_embedding_scale", 1.0, prefix="dflash_config.",
+                                                  what=what),
+                output_multiplier=float_field(dc, "output_multiplier", 1.0, prefix="dflash_config.", what=what),
+                final_logit_softcapping=float_field(dc, "final_logit_softcapping", 0.0, prefix="dflash_config.",
+                                                    what=what) or None)
         if raw.get("is_causal") or dc.get("causal") or dc.get("use_swa"):
             raise SpecloomError(f"{path}: causal / sliding-window draft layers are not supported")
     H = i(lc, "hidden_size", prefix=lp)
@@ -183,6 +202,7 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
         markov_head_type=extra["markov_head_type"], confidence_head=extra["confidence_head"],
         confidence_with_markov=extra["confidence_with_markov"],
         max_position=i(lc, "max_position_embeddings", tc.max_position, prefix=lp),
+        **{k: extra[k] for k in DFLASH2_KEYS if k in extra},
     )
     if not ids:
         ids = layer_ids(meta_of(raw), "feature_ids", "specloom.", what)
@@ -211,7 +231,18 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
         raise SpecloomError(f"{path}: mask token id {cfg.mask_token_id} lies outside the target's vocabulary")
     if cfg.num_layers < 1:
         raise SpecloomError(f"{path}: the drafter has no layers")
+    if layout == "dflash2":
+        if cfg.conv_kernel_size < 1 or cfg.hidden_size % cfg.conv_group_size:
+            raise SpecloomError(f"{path}: dflash_config.conv_kernel_size {cfg.conv_kernel_size} / conv_group_size "
+                                f"{cfg.conv_group_size} cannot shape a conv over hidden size {cfg.hidden_size}")
+        if cfg.selector_rank < 1 or cfg.selector_top_k < 1:
+            raise SpecloomError(f"{path}: a DFlash 2 drafter needs its candidate selector (dflash_config."
+                                f"selector_rank {cfg.selector_rank}, selector_top_k {cfg.selector_top_k})")
     return cfg
+
+
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "input_embedding_scale",
+                "output_multiplier", "final_logit_softcapping")
 
 
 # -- tensor names ------------------------------------------------------------------------------------------------
@@ -243,6 +274,16 @@ def expected_shapes(cfg: BlockDraftConfig) -> dict[str, tuple]:
     if cfg.confidence_head:
         w = H + (r if r and cfg.confidence_with_markov else 0)
         exp.update({"confidence_head.proj.weight": (1, w), "confidence_head.proj.bias": (1,)})
+    K, G = cfg.conv_kernel_size, cfg.conv_group_size
+    for i in range(cfg.num_layers if K else 0):
+        for conv in ("attention_conv", "mlp_conv"):
+            exp.update({f"layers.{i}.{conv}.base_kernel": (2, K, H),
+                        f"layers.{i}.{conv}.kernel_projection.weight": (2 * K * (H // G), H)})
+    if cfg.selector_rank:
+        sr = cfg.selector_rank
+        exp.update({"candidate_selector.predecessor_codebook": (V, sr),
+                    "candidate_selector.successor_codebook": (V, sr),
+                    "candidate_selector.hidden_projection.weight": (sr, H)})
     return exp
 
 
@@ -267,6 +308,11 @@ def build_block(path: str, raw: dict, target, method: str) -> BlockDraftModel:
     else:
         wf = weights_file(path)
         tensors = read_tensors(wf)
+        if cfg.selector_rank and not any(n.startswith("candidate_selector.") for n in tensors):
+            raise SpecloomError(f"{wf}: this DFlash 2 checkpoint has no candidate selector (no candidate_selector.* "
+                                "tensors; its config asks for one of rank "
+                                f"{cfg.selector_rank}): it is incomplete -- a plain DFlash drafter is served with "
+                                '"method": "dflash"')
         state = {n: take(tensors, n, s, wf) for n, s in exp.items()}
     with torch.device("meta"):
         model = BlockDraftModel(cfg)
@@ -320,6 +366,25 @@ def save_zlab(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat1
            "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size,
            "dflash_config": {"target_layer_ids": zids, "mask_token_id": cfg.mask_token_id,
                              "block_size": cfg.block_size},
+           "specloom": _meta(meta, cfg)}
+    _write(path, raw, _state(model, dtype))
+
+
+def save_dflash2(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat16,
+                 num_target_layers=None) -> None:
+    """The z-lab DFlash 2 layout (`DFlash2DraftModel`)."""
+    cfg = model.config
+    if not (cfg.conv_kernel_size and cfg.selector_rank) or cfg.markov_rank or cfg.confidence_head \
+            or cfg.anchor_predicts:
+        raise ValueError("a DFlash 2 checkpoint has the convs and the selector, no Markov/confidence head, no "
+                         "anchor slot")
+    zids = [i - 1 for i in cfg.feature_ids]
+    L = num_target_layers or (meta.get("target_fingerprint") or {}).get("num_layers") or max(cfg.feature_ids)
+    dc = {"target_layer_ids": zids, "mask_token_id": cfg.mask_token_id, "block_size": cfg.block_size,
+          **{k: getattr(cfg, k) for k in DFLASH2_KEYS}}
+    dc["final_logit_softcapping"] = dc["final_logit_softcapping"] or None
+    raw = {"architectures": ["DFlash2DraftModel"], **_qwen3_keys(cfg), "num_target_layers": L,
+           "block_size": cfg.block_size, "target_hidden_size": cfg.target_hidden_size, "dflash_config": dc,
            "specloom": _meta(meta, cfg)}
     _write(path, raw, _state(model, dtype))
 
@@ -409,6 +474,17 @@ class DFlashFormat(_BlockFormat):
             save_speculators(model, path, meta, "dflash", **kw)
         else:
             raise ValueError(f"unknown DFlash format {fmt!r} (zlab | speculators)")
+
+
+@checkpoint_format("dflash2")
+class DFlash2Format(_BlockFormat):
+    method = "dflash2"
+
+    @classmethod
+    def save(cls, model, path: str, meta: dict, fmt: str = "zlab", **kw) -> None:
+        if fmt != "zlab":
+            raise ValueError(f"unknown DFlash 2 format {fmt!r} (zlab: speculators' DFlash 2 layout is not public)")
+        save_dflash2(model, path, meta, **kw)
 
 
 @checkpoint_format("dspark")

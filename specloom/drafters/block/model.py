@@ -1,4 +1,5 @@
-"""The block drafter network (DFlash, DSpark): one definition for training and inference (drafters.md §5.1, §6.1).
+"""The block drafter network (DFlash, DFlash 2, DSpark): one definition for training and inference (drafters.md §5.1,
+§5.4, §6.1).
 
     C = hidden_norm(fc(cat[target features]))            context, one row per committed position
     x = target.embed([anchor, MASK, ..., MASK])          a block of B tokens at positions s .. s+B-1
@@ -6,6 +7,9 @@
         positions (each layer projects C with its own k/v) + the block's own keys; NON-causal inside the block
     h = norm(x); U = target.logits(h)                     the target's embedding and LM head, not owned
     DSpark extras: logits = U + Markov bias B(x_{k-1}) (vanilla | gated | rnn), confidence c_k = sigmoid(proj(...))
+    DFlash 2 extras: a two-tap grouped dynamic causal conv along the block around each attention and MLP sublayer
+        (`GroupedDynamicConv`), and the candidate selector: per slot the top-k of U, rescored with the token chosen
+        before it, score_k = U_k + <P[x_{k-1}] * W h, S[cand_k]> (`CandidateSelector`); q over those k only
 
 `anchor_predicts` False (DFlash): slot p predicts the token at position s+p, drafts = slots 1..B-1.
 True (DSpark, speculators `sample_from_anchor`): slot p predicts the token at s+p+1, drafts = slots 0..B-1.
@@ -53,6 +57,13 @@ class BlockDraftConfig(DraftConfigDict):
     confidence_head: bool = False
     confidence_with_markov: bool = True  # the confidence head also reads W1[x_{k-1}] (when there is a Markov head)
     max_position: int = 32768
+    conv_kernel_size: int = 0  # DFlash 2: taps of the grouped dynamic causal conv (0 = none, DFlash / DSpark)
+    conv_group_size: int = 1  # channels per group sharing one dynamic tap weight
+    selector_rank: int = 0  # DFlash 2: rank of the candidate selector's pair score (0 = no selector)
+    selector_top_k: int = 16  # candidates per slot the selector chooses among
+    input_embedding_scale: float = 1.0  # the block embedding times this (DFlash 2 checkpoints may set it)
+    output_multiplier: float = 1.0  # draft logits times this ...
+    final_logit_softcapping: float | None = None  # ... then cap * tanh(logits / cap) when set
 
     @property
     def num_drafts(self) -> int:
@@ -83,6 +94,74 @@ def block_attention(q, kc, vc, kb, vb, ctx_mask, block_size: int, scale: float) 
     w = torch.softmax(torch.cat([sc, sb.reshape(B, h, N, block_size)], -1).float(), -1).to(dt)
     ob = w[..., S:].reshape(B, h, A, block_size, block_size) @ vb.view(B, h, A, block_size, d)
     return w[..., :S] @ vc + ob.reshape(B, h, N, d)
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash 2's causal conv along a block (drafters.md §5.4): K taps; tap o of the output at slot t reads slot
+    t - o (zero before the block's start) through a static per-channel weight base[o] plus a dynamic weight, one per
+    group of G channels, projected from the input at slot t. `prepare` wraps the sublayer's input and returns the
+    dynamic weights of its output side, which `finish` applies to the sublayer's output. Starts as the identity
+    (base tap 0 = 1, the rest and the projection zero): a DFlash layer until trained."""
+
+    def __init__(self, hidden: int, taps: int, group: int):
+        super().__init__()
+        if hidden % group:
+            raise ValueError(f"conv_group_size {group} does not divide the hidden size {hidden}")
+        self.taps, self.group = taps, group
+        base = torch.zeros(2, taps, hidden)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden, 2 * taps * (hidden // group), bias=False)
+        nn.init.zeros_(self.kernel_projection.weight)
+
+    def _conv(self, x, base, dyn, block: int):
+        """x (B, N, H), N = blocks x `block`; base (K, H); dyn (B, N, K, H/G) -> (B, N, H)."""
+        B, N, H = x.shape
+        xb = x.view(B, N // block, block, H)
+        dyn = dyn.view(B, N // block, block, self.taps, -1)
+        y = None
+        for o in range(min(self.taps, block)):
+            shifted = xb if o == 0 else torch.nn.functional.pad(xb[:, :, :block - o], (0, 0, o, 0))
+            w = base[o].to(x.dtype) + dyn[..., o, :].repeat_interleave(self.group, -1).to(x.dtype)
+            y = shifted * w if y is None else y + shifted * w
+        return y.view(B, N, H)
+
+    def prepare(self, x, block: int):
+        B, N, H = x.shape
+        d = self.kernel_projection(x).view(B, N, 2, self.taps, H // self.group)
+        return self._conv(x, self.base_kernel[0], d[:, :, 0], block), d[:, :, 1]
+
+    def finish(self, z, d1, block: int):
+        return self._conv(z, self.base_kernel[1], d1, block)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash 2's selector (drafters.md §5.4): among the top-k candidates of a slot's logits U, score_k = U[cand_k] +
+    sum_r P[prev]_r (W h)_r S[cand_k]_r, prev the token chosen at the slot before (the root at the first). The
+    draft distribution is softmax(score) over those k only. The codebooks are stored without `.weight` (z-lab)."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)
+        self.successor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+        nn.init.zeros_(self.hidden_projection.weight)  # starts as plain top-k of U (the pair score is zero)
+
+    def scores(self, logits, h, prev, cand=None):
+        """logits (..., V) fp32, h (..., H), prev (...,) -> (scores (..., k) fp32, candidates (..., k))."""
+        if cand is None:
+            cand = logits.topk(min(self.top_k, logits.shape[-1]), -1).indices
+        unary = logits.gather(-1, cand)
+        hp = self.hidden_projection(h).float() * self.predecessor_codebook[prev].float()  # (..., r)
+        pair = (self.successor_codebook[cand].float() @ hp[..., :, None]).squeeze(-1)  # (..., k)
+        return unary + pair, cand
+
+    def full(self, logits, h, prev):
+        """The scores as logits over the whole vocabulary, -inf outside the candidates (what drafting draws
+        from: its argmax is the selector's choice, its softmax the q verification needs)."""
+        sc, cand = self.scores(logits, h, prev)
+        return torch.full_like(logits, float("-inf")).scatter_(-1, cand, sc)
 
 
 class BlockAttention(nn.Module):
@@ -121,14 +200,24 @@ class BlockLayer(nn.Module):
         self.self_attn = BlockAttention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = DraftMLP(c.hidden_size, c.intermediate_size)
+        if c.conv_kernel_size:
+            self.attention_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
 
     def forward(self, x, cos, sin, kc, vc, ctx_mask, block_size: int):
         a = self.self_attn
+        conv = hasattr(self, "attention_conv")
         xn = self.input_layernorm(x)
+        if conv:
+            xn, d = self.attention_conv.prepare(xn, block_size)
         kb, vb = a.keys(xn, cos, sin)
-        o = block_attention(a.query(xn, cos, sin), kc, vc, kb, vb, ctx_mask, block_size, a.scale)
-        x = x + a.out(o.to(x.dtype))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        o = a.out(block_attention(a.query(xn, cos, sin), kc, vc, kb, vb, ctx_mask, block_size, a.scale).to(x.dtype))
+        x = x + (self.attention_conv.finish(o, d, block_size) if conv else o)
+        m = self.post_attention_layernorm(x)
+        if conv:
+            m, d = self.mlp_conv.prepare(m, block_size)
+        m = self.mlp(m)
+        return x + (self.mlp_conv.finish(m, d, block_size) if conv else m)
 
 
 class MarkovHead(nn.Module):
@@ -192,6 +281,8 @@ class BlockDraftModel(nn.Module):
             self.markov_head = MarkovHead(c)
         if c.confidence_head:
             self.confidence_head = ConfidenceHead(c)
+        if c.selector_rank:
+            self.candidate_selector = CandidateSelector(c.vocab_size, H, c.selector_rank, c.selector_top_k)
         # The target's embedding and LM head are shared, not owned: kept out of the module tree on purpose.
         self._shared = {"target": target}
 
@@ -210,13 +301,51 @@ class BlockDraftModel(nn.Module):
     def has_confidence(self) -> bool:
         return self.config.confidence_head
 
+    def reset_extras(self) -> None:
+        """DFlash 2's neutral start (after a generic random init): every conv the identity, the selector's pair
+        score zero with random codebooks -- the network is then DFlash's and the extras learn from there."""
+        with torch.no_grad():
+            for mod in self.modules():
+                if isinstance(mod, GroupedDynamicConv):
+                    mod.base_kernel.zero_()
+                    mod.base_kernel[:, 0] = 1.0
+                    mod.kernel_projection.weight.zero_()
+                elif isinstance(mod, CandidateSelector):
+                    mod.hidden_projection.weight.zero_()
+                    mod.predecessor_codebook.normal_(0, 0.02)
+                    mod.successor_codebook.normal_(0, 0.02)
+
+    @property
+    def has_selector(self) -> bool:
+        return self.config.selector_rank > 0
+
     def embed(self, tokens):
-        return self._shared["target"].embed(tokens).to(self.dtype)
+        x = self._shared["target"].embed(tokens).to(self.dtype)
+        s = self.config.input_embedding_scale
+        return x if s == 1.0 else x * s
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Normed slot hidden (..., H) -> fp32 logits through the target's head (before any Markov bias)."""
+        """Normed slot hidden (..., H) -> fp32 logits through the target's head (before any Markov bias or
+        selector), times `output_multiplier`, soft-capped when the checkpoint says so."""
         t = self._shared["target"]
-        return t.logits(h.to(t.dtype))
+        out = t.logits(h.to(t.dtype))
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        if c.final_logit_softcapping:
+            out = c.final_logit_softcapping * torch.tanh(out / c.final_logit_softcapping)
+        return out
+
+    def chain_logits(self, logits, h, prev, state=None):
+        """A slot's logits given the token chosen before it (the chain's sequential part): plus the Markov bias
+        (DSpark), or the selector's scores over its candidates, -inf elsewhere (DFlash 2), or as they are
+        (DFlash). Returns (logits (..., V) fp32, the Markov rnn state)."""
+        if self.has_markov:
+            bias, state = self.markov_bias(prev, h, state)
+            logits = logits + bias
+        if self.has_selector:
+            logits = self.candidate_selector.full(logits, h, prev)
+        return logits, state
 
     def markov_bias(self, prev, h, state=None):
         return self.markov_head(prev, h, state)

@@ -1,4 +1,4 @@
-"""`specloom train dflash` / `specloom train dspark`: block drafters (drafters.md §5.3, §6.1).
+"""`specloom train dflash` / `dflash2` / `dspark`: block drafters (drafters.md §5.3, §5.4, §6.1).
 
 Per batch, up to `--num-anchors` anchors per sequence are drawn from its answer positions (loss mask), none in the
 last `block_size` positions. Each anchor gives a block [x_a, MASK ...] at positions a.. that sees the sequence's
@@ -6,7 +6,12 @@ target features before a (`BlockDraftModel.train_blocks`). Labels are the target
 head over the stored final hidden state at the position before each slot's predicted token. Loss: soft
 cross-entropy per drafted slot k (1-based), weighted exp(-(k-1)/4). DSpark adds the Markov head (teacher-forced:
 the previous token is the true one) and the confidence head, trained with BCE towards c* = 1 - 1/2 ||p_d - p_t||_1
-(detached). Metrics acc{j}: top-1 agreement with the target at drafted slot j (0 = the first draft).
+(detached). DFlash 2 adds its convs (start as the identity) and the candidate selector, trained with a K-way
+soft cross-entropy over each slot's top-K candidates (speculators #1006's objective: the target's probabilities
+at the candidates; teacher-forced previous token), on top of the DFlash loss on the unrescored logits.
+`--init-from DIR` starts DFlash 2 from a trained DFlash checkpoint of the same shape (every shared tensor copied;
+the convs and the selector then start as DFlash itself). Metrics acc{j}: top-1 agreement with the target at
+drafted slot j (0 = the first draft; DFlash 2: the selector's choice).
 
 Feature ids: the EAGLE-3 ids of `specloom data` (HF 2, L//2, L-3, i.e. z-lab/DeepSpec 1, L//2-1, L-4).
 Checkpoints: DFlash in the z-lab format; DSpark as a built-in overlay (`config.json` with the `dspark_*` keys and
@@ -65,6 +70,10 @@ class _BlockTrainer(_Base):
     default_block = 6
     markov = False
 
+    def extra_config(self, args, tc) -> dict:
+        """Further BlockDraftConfig fields of this kind (DFlash 2: convs and selector)."""
+        return {}
+
     @classmethod
     def data_ids(cls, L):
         from ..eagle.model import eagle3_layer_ids
@@ -89,10 +98,11 @@ class _BlockTrainer(_Base):
             feature_ids=self.feature_ids, target_hidden_size=tc.hidden_size, rms_norm_eps=tc.rms_norm_eps,
             rope_theta=tc.rope_theta, rope_scaling=tc.rope_scaling, anchor_predicts=self.anchor_predicts,
             markov_rank=rank, markov_head_type=args.markov_head, confidence_head=self.markov,
-            max_position=tc.max_position,
+            max_position=tc.max_position, **self.extra_config(args, tc),
         )
         self.model = BlockDraftModel(cfg)
         init_weights(self.model, args.seed)
+        self.model.reset_extras()  # the convs as the identity, the selector's pair score zero (init_weights drew them)
         layer = getattr(args, "warm_start_layer", None)
         if layer is not None:
             warm_start(self.model, target, layer)
@@ -160,6 +170,13 @@ class _BlockTrainer(_Base):
         total = (ce * w).sum() / (n * w.sum())
         metrics = {}
         agree = logits.argmax(-1) == tgt.argmax(-1)
+        if m.has_selector:  # K-way soft CE over the candidates: the target's mass there, renormalised by the softmax
+            sc, cand = m.candidate_selector.scores(logits, hs, prev)  # (N, S, K)
+            pt = torch.softmax(tgt.float(), -1).gather(-1, cand)
+            sel = -(pt * torch.log_softmax(sc, -1)).sum(-1)  # = mass x CE against the target within the candidates
+            total = total + (sel * w).sum() / (n * w.sum())
+            agree = cand.gather(-1, sc.argmax(-1, keepdim=True)).squeeze(-1) == tgt.argmax(-1)
+            metrics["in_top_k"] = float(shard_mean((cand == tgt.argmax(-1, keepdim=True)).any(-1)[:, 0].float(), n))
         for j in range(S):
             metrics[f"acc{j}"] = float(shard_mean(agree[:, j].float(), n))
         if m.has_confidence:
@@ -184,6 +201,50 @@ class DFlashTrainer(_BlockTrainer):
                      num_target_layers=self.L)
 
 
+@trainer("dflash2")
+class DFlash2Trainer(_BlockTrainer):
+    def extra_config(self, args, tc) -> dict:
+        return {"conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
+                "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k}
+
+    def __init__(self, target, tokenizer, data, args):
+        super().__init__(target, tokenizer, data, args)
+        if args.init_from:
+            init_from_dflash(self.model, args.init_from, target)
+
+    def save(self, path, meta):
+        from ..checkpoint import save_drafter
+
+        save_drafter("dflash2", self.model, path, {**meta, "target": self.args.target}, fmt="zlab",
+                     num_target_layers=self.L)
+
+
+def init_from_dflash(model, path: str, target) -> None:
+    """Copy a DFlash checkpoint's tensors into a DFlash 2 model of the same shape (one clear line where the
+    shapes or the block differ); the convs and the selector keep their neutral start."""
+    from ...errors import SpecloomError
+    from .format import block_config, expected_shapes
+    from ..checkpoint import _load_json, read_tensors, take, weights_file
+
+    raw = _load_json(f"{path}/config.json")
+    cfg = block_config(path, raw, target.config, "dflash")
+    if (cfg.block_size, cfg.num_layers, cfg.intermediate_size, tuple(cfg.feature_ids)) != (
+            model.config.block_size, model.config.num_layers, model.config.intermediate_size,
+            tuple(model.config.feature_ids)):
+        raise SpecloomError(f"{path}: --init-from needs a DFlash drafter of the same shape (block {cfg.block_size}, "
+                            f"{cfg.num_layers} layers, MLP {cfg.intermediate_size}, features {list(cfg.feature_ids)}; "
+                            f"this run: block {model.config.block_size}, {model.config.num_layers} layers, MLP "
+                            f"{model.config.intermediate_size}, features {list(model.config.feature_ids)})")
+    wf = weights_file(path)
+    tensors = read_tensors(wf)
+    own = model.state_dict()
+    with torch.no_grad():
+        for name, shape in expected_shapes(cfg).items():
+            own[name].copy_(take(tensors, name, shape, wf).to(own[name].dtype))
+    model.config.mask_token_id = cfg.mask_token_id
+    print(f"specloom train dflash2: started from the DFlash drafter {path}", file=sys.stderr)
+
+
 @trainer("dspark")
 class DSparkTrainer(_BlockTrainer):
     anchor_predicts = True
@@ -200,10 +261,18 @@ def add_arguments(t) -> None:
     """`specloom train dflash | dspark` options."""
     draft_layers_option(t)
     option(t, "--block-size", type=positive_int, default=None,
-           help="dflash, dspark: tokens per block (default: dflash 6 = 5 drafts, dspark 5 = 5 drafts)")
+           help="dflash, dflash2, dspark: tokens per block (default: dflash/dflash2 6 = 5 drafts, dspark 5 = 5 "
+                "drafts)")
     option(t, "--num-anchors", type=positive_int, default=32,
            help="dflash, dspark: blocks (anchors) trained per sequence and batch")
     option(t, "--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
+    option(t, "--conv-kernel-size", type=positive_int, default=2, help="dflash2: taps of the dynamic causal conv")
+    option(t, "--conv-group-size", type=positive_int, default=64,
+           help="dflash2: channels sharing one dynamic tap weight (must divide the hidden size)")
+    option(t, "--selector-rank", type=positive_int, default=16, help="dflash2: rank of the candidate selector")
+    option(t, "--selector-top-k", type=positive_int, default=16, help="dflash2: candidates per slot")
+    option(t, "--init-from", default=None, metavar="DIR",
+           help="dflash2: start from this trained DFlash checkpoint (same block, layers and MLP width)")
     option(t, "--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla", help="dspark: Markov head type")
     option(t, "--draft-intermediate", type=positive_int, default=None,
            help="dflash, dspark: MLP width of the draft layers (default: half the target's)")
