@@ -241,6 +241,14 @@ def add_to_target_checkpoint(target_dir: str, file_name: str, tensors: dict, con
             json.dump(idx, f, indent=1)
 
 
+def init_from_checkpoint(model, path: str, kind: str, target, tokenizer) -> None:
+    """Copy into `model` (being trained) every tensor it shares with the `kind` checkpoint at `path`."""
+    other, _ = load_drafter(path, kind, target, tokenizer)
+    own = model.state_dict()
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                           for k, v in other.state_dict().items() if k in own})
+
+
 def take(tensors: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     """A tensor by name with the shape the config implies, or a clear error naming it."""
     if name not in tensors:

@@ -65,12 +65,9 @@ def load_trainers() -> dict:
 
 def _init_from(tr, path: str) -> None:
     """Start from an existing checkpoint of the trainer's kind (`--init-from`): every tensor it shares."""
-    from ..drafters.checkpoint import load_drafter
+    from ..drafters.checkpoint import init_from_checkpoint
 
-    model, _ = load_drafter(path, tr.kind, tr.target, tr.tokenizer)
-    own = tr.model.state_dict()
-    tr.model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                              for k, v in model.state_dict().items() if k in own})
+    init_from_checkpoint(tr.model, path, tr.kind, tr.target, tr.tokenizer)
 
 
 @torch.no_grad()

@@ -207,10 +207,15 @@ class DFlash2Trainer(_BlockTrainer):
         return {"conv_kernel_size": args.conv_kernel_size, "conv_group_size": args.conv_group_size,
                 "selector_rank": args.selector_rank, "selector_top_k": args.selector_top_k}
 
-    def __init__(self, target, tokenizer, data, args):
-        super().__init__(target, tokenizer, data, args)
-        if args.init_from:
-            init_from_dflash(self.model, args.init_from, target)
+    def init_from(self, path: str) -> None:
+        """`--init-from`: a DFlash 2 checkpoint (every tensor it shares), or a DFlash one (its tensors; the convs
+        and the selector keep their neutral start)."""
+        from .format import layout_of
+        from ..checkpoint import _load_json, init_from_checkpoint
+
+        if layout_of(_load_json(f"{path}/config.json")) == "dflash2":
+            return init_from_checkpoint(self.model, path, "dflash2", self.target, self.tokenizer)
+        init_from_dflash(self.model, path, self.target)
 
     def save(self, path, meta):
         from ..checkpoint import save_drafter
@@ -271,8 +276,7 @@ def add_arguments(t) -> None:
            help="dflash2: channels sharing one dynamic tap weight (must divide the hidden size)")
     option(t, "--selector-rank", type=positive_int, default=16, help="dflash2: rank of the candidate selector")
     option(t, "--selector-top-k", type=positive_int, default=16, help="dflash2: candidates per slot")
-    option(t, "--init-from", default=None, metavar="DIR",
-           help="dflash2: start from this trained DFlash checkpoint (same block, layers and MLP width)")
+
     option(t, "--markov-head", choices=("vanilla", "gated", "rnn"), default="vanilla", help="dspark: Markov head type")
     option(t, "--draft-intermediate", type=positive_int, default=None,
            help="dflash, dspark: MLP width of the draft layers (default: half the target's)")
