@@ -79,6 +79,11 @@ CASES = [
     ("dspark_rnn", {}),
     ("dflash2", {}),
     ("dflash2", {"num_speculative_tokens": 2}),
+    # trees from the slots' top-w (a beam over joint scores within the node budget)
+    ("dflash", {"tree_width": 3, "num_draft_tokens": 9}),
+    ("dspark_rnn", {"tree_width": 2, "num_draft_tokens": 5}),
+    ("dspark_gated", {"tree_width": 4}),
+    ("dflash2", {"tree_width": 3, "num_draft_tokens": 10}),
 ]
 
 
@@ -128,24 +133,27 @@ class _Oracle:
         d.model.draft_logits = draft_logits
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark", "dspark_rnn", "dflash2"])
-def test_oracle_all_accepted(blocks, name):
+@pytest.mark.parametrize("name,extra", [("dflash", {}), ("dspark", {}), ("dspark_rnn", {}), ("dflash2", {}),
+                                        ("dflash", {"tree_width": 3}), ("dflash2", {"tree_width": 2})])
+def test_oracle_all_accepted(blocks, name, extra):
     t, paths = blocks
     for ids in PROMPTS:
         truth = ids + plain(t, ids).token_ids
-        e = engine(t, paths[name], name.split("_")[0])
+        e = engine(t, paths[name], name.split("_")[0], **extra)
         _Oracle(e.drafter, truth)
         got = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
         assert got.token_ids == truth[len(ids):]
         k = e.drafter.num_speculative_tokens
-        assert got.num_accepted_tokens == got.num_draft_tokens
+        if not extra:  # a chain: every draft accepted (a tree also drafts siblings that lose)
+            assert got.num_accepted_tokens == got.num_draft_tokens
         assert got.mean_accepted_length == pytest.approx(k + 1, rel=0.15)
 
 
-@pytest.mark.parametrize("name", ["dflash", "dspark_gated", "dflash2"])
-def test_sampling_distribution(blocks, name, sampling_tv):
+@pytest.mark.parametrize("name,extra", [("dflash", {}), ("dspark_gated", {}), ("dflash2", {}),
+                                        ("dflash2", {"tree_width": 3, "num_draft_tokens": 8})])
+def test_sampling_distribution(blocks, name, extra, sampling_tv):
     t, paths = blocks
-    e = engine(t, paths[name], name.split("_")[0])
+    e = engine(t, paths[name], name.split("_")[0], **extra)
     tv = sampling_tv(e, Engine(t.model, t.tokenizer), PROMPTS[0])
     assert tv < 0.12, tv
 
@@ -241,6 +249,34 @@ def test_dflash2_checkpoint_and_selector(blocks, tmp_path):
         engine(t, paths["dflash"], "dflash2")
 
 
+def test_block_tree_is_the_beam_over_slots(blocks):
+    """A DFlash tree: depth 1 holds the first slot's top-w tokens, each deeper node is a top-w token of its slot
+    under the best w nodes above, kept by joint log-probability within the node budget; the depth policy's node
+    cap (`max_nodes`) shrinks it; tau is at least the chain's on the same prompts (the chain is the tree's
+    first-choice path)."""
+    t, paths = blocks
+    e = engine(t, paths["dflash"], "dflash", tree_width=3, num_draft_tokens=9)
+    d = e.drafter
+    trees = []
+    orig = d.propose
+
+    def spy(ctxs):
+        out = orig(ctxs)
+        trees.extend(out)
+        return out
+
+    d.propose = spy
+    e.generate(prompt_token_ids=PROMPTS[0], max_tokens=12, ignore_eos=True)
+    assert trees and all(len(tr) - 1 <= 9 for tr in trees)
+    assert any(not tr.is_chain for tr in trees)
+    assert max(len(tr.children(0)) for tr in trees) == 3
+    chain = engine(t, paths["dflash"], "dflash")
+    tree = engine(t, paths["dflash"], "dflash", tree_width=3, num_draft_tokens=12)
+    tau = [sum(x.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True).mean_accepted_length
+               for ids in PROMPTS) for x in (chain, tree)]
+    assert tau[1] >= tau[0], tau
+
+
 def _target_copy(t, dst, index: bool = False) -> str:
     shutil.copytree(t.path, dst)
     if index:
@@ -322,6 +358,13 @@ def test_bad_settings_and_files(blocks, tmp_path):
          "confidence head")
     both({"method": "dflash", "model": paths["dspark"]}, 'this is a dspark checkpoint, not dflash .*"dspark"')
     both({"method": "dspark", "model": paths["dflash"]}, "this is a dflash checkpoint, not dspark")
+    both({"method": "dspark", "model": paths["dspark"], "tree_width": 3, "confidence_threshold": 0.5},
+         "confidence_threshold cuts a chain; with tree_width 3")
+    both({"method": "dflash", "model": paths["dflash"], "num_draft_tokens": 8}, "num_draft_tokens sizes a tree; give "
+         "tree_width > 1")
+    with pytest.raises(SpecloomError, match="tree_width") as err:  # no per-slot distributions to branch on
+        SpeculativeConfig.parse({"method": "ngram", "tree_width": 3})
+    assert "\n" not in str(err.value)
     for bad in (1.5, -0.1, "high", True):
         with pytest.raises(SpecloomError, match="confidence_threshold"):
             SpeculativeConfig.parse({"method": "dspark", "confidence_threshold": bad})

@@ -40,6 +40,25 @@ def draw(ctxs, logits: torch.Tensor, take, drafts: list[list[int]], qs: list[lis
     return out
 
 
+def keep_best(ctxs, toks, scores, parents, valid, n_keep: list[int]) -> list[DraftTree]:
+    """A tree drafter's rerank (EAGLE-2's; the block drafters' trees too), for all rows at once. toks, scores,
+    parents, valid: (B, N) candidates (valid: not deeper than the row's k); row b keeps its best n_keep[b] valid candidates (ties: the lower id, which is the
+    parent first), in id order, with kept parents renumbered as tree nodes (node 0 = the root). Scores fall
+    along a path, so a kept candidate's parent is kept. One host read for all rows."""
+    B, N = scores.shape
+    dev = scores.device
+    ids = torch.arange(N, device=dev)
+    order = scores.masked_fill(~valid, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+    rank_kept = ids[None] < torch.tensor(n_keep, device=dev)[:, None]  # (B, N): rank r is kept
+    keep = torch.zeros(B, N, dtype=torch.bool, device=dev).scatter_(1, order, rank_kept)
+    node = keep.cumsum(-1)  # the tree node of each kept candidate: its 1-based rank in id order
+    pnode = torch.where(parents < 0, 0, node.gather(1, parents.clamp(min=0)))
+    kept = torch.where(keep, ids, N + ids).topk(max(n_keep), -1, largest=False).indices  # kept ids, ascending
+    tok_l, par_l = torch.stack([toks.gather(1, kept), pnode.gather(1, kept)]).tolist()
+    return [DraftTree([c.tokens[-1], *tok_l[b][:n]], [-1, *par_l[b][:n]])
+            for b, (c, n) in enumerate(zip(ctxs, n_keep))]
+
+
 def chains(ctxs, drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> list[DraftTree]:
     return [DraftTree.chain(c.tokens[-1], d, torch.stack(q) if q else None) for c, d, q in zip(ctxs, drafts, qs)]
 

@@ -18,9 +18,18 @@ n .. n+B-1 (n = the root's position) runs once over that context; its slots give
   own token is drawn) is below the threshold -- which tokens get verified never depends on the token itself, so
   the output stays exact; only verification decides what is kept.
 
+Trees (`tree_width` w > 1; DDTree / JetSpec / SGLang's DFlash tree verify): the same single drafter pass, then a
+beam over the slots: depth 1 keeps the top-w tokens of the first drafted slot, each deeper slot expands every one of
+the w best nodes of the depth above with its top-w tokens (DSpark / DFlash 2: the slot's logits given that node's
+token -- its Markov bias, or the selector's rescoring), scored by the path's joint log-probability; the best
+`num_draft_tokens` candidates make the tree (`rows.keep_best`, EAGLE-2's rerank; the depth policy may ask for
+fewer). The candidates are chosen deterministically, so the tree carries no q and verification checks them as
+one-hot drafts -- exact under sampling as under greedy. A confidence cut is a chain's (refused with a tree).
+
 Settings: `model` (checkpoint directory; DFlash omitted = the drafter bundled for the target; DSpark omitted = the
 one built into the target checkpoint, else an overlay bundled for the target), `num_speculative_tokens`,
-`confidence_threshold` (dspark; default the checkpoint's `confidence_threshold`, else off).
+`confidence_threshold` (dspark; default the checkpoint's `confidence_threshold`, else off), `tree_width` and
+`num_draft_tokens` (trees; default a chain).
 """
 
 from __future__ import annotations
@@ -32,9 +41,9 @@ import torch
 from ...config_fields import float_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
-from ..base import DraftContext, Drafter, float_key, register
+from ..base import TREE_KEYS, DraftContext, Drafter, float_key, register
 from ...kv import RowSpan
-from ..rows import chains, draw, fitting_groups, own_store
+from ..rows import chains, draw, fitting_groups, keep_best, own_store
 
 
 def _declares_dspark(raw: dict) -> bool:
@@ -47,10 +56,12 @@ class BlockDrafter(Drafter):
     # the drafter KV over all of them in one ragged pass.
     idle_free = True
 
-    def __init__(self, model, k: int, threshold: float):
+    def __init__(self, model, k: int, threshold: float, width: int = 1, nodes: int | None = None):
         self.model = model
         self.k = k
         self.threshold = threshold
+        self.width = width  # > 1: a tree from the slots' top-w (see the module's docstring)
+        self.num_nodes = (nodes or min(k * width, 4 * k)) if width > 1 else None
         self.needs_hidden = tuple(model.config.feature_ids)
 
     # -- construction ----------------------------------------------------------------------------------------
@@ -76,6 +87,14 @@ class BlockDrafter(Drafter):
         if th is None:
             th = float_field(meta, "confidence_threshold", 0.0, positive=False, prefix="specloom.",
                              what=f"{path}: {cls.method} drafter config") if cfg.confidence_head else 0.0
+        width = getattr(spec, "tree_width", None) or 1
+        if width > 1 and th > 0:
+            raise SpecloomError(f"{path}: confidence_threshold cuts a chain; with tree_width {width} the tree's node "
+                                "budget (num_draft_tokens) bounds the drafts instead -- set confidence_threshold 0 "
+                                "or tree_width 1")
+        if getattr(spec, "num_draft_tokens", None) and width == 1:
+            raise SpecloomError(f"{path}: num_draft_tokens sizes a tree; give tree_width > 1 with it (a chain drafts "
+                                "num_speculative_tokens)")
         return k or n, th
 
     @classmethod
@@ -102,7 +121,7 @@ class BlockDrafter(Drafter):
         k, th = cls._settings(spec, cfg, meta, path)
         model = build_block(path, raw, target, cls.method)
         check_target(meta, target, tokenizer, path)
-        d = cls(model, k, th)
+        d = cls(model, k, th, getattr(spec, "tree_width", None) or 1, getattr(spec, "num_draft_tokens", None))
         d.checkpoint = {"path": path, "meta": meta}
         return d
 
@@ -175,6 +194,8 @@ class BlockDrafter(Drafter):
         n = torch.tensor([c.root_position for c in ctxs], device=dev)
         h = span.pick(m.draft_block(store, span, span.spread(roots), span.spread(n)))[:, s0:s0 + K]  # (B, K, H)
         logits = m.draft_logits(h)  # (B, K, V)
+        if self.width > 1:
+            return self._tree(ctxs, ks, h, logits, roots)
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         live = list(ks)  # drafts each row still takes (the confidence cut ends a row's chain early)
@@ -189,19 +210,56 @@ class BlockDrafter(Drafter):
             prev = torch.tensor(draw(ctxs, lp, [p < lv for lv in live], drafts, qs), device=dev)
         return chains(ctxs, drafts, qs)
 
+    def _tree(self, ctxs, ks: list[int], h, logits, roots) -> list[DraftTree]:
+        """The beam over the slots for every row at once: (B, ...) tensors, one host read (`keep_best`)."""
+        m, w = self.model, self.width
+        B, K, V = logits.shape
+        lg, state = m.chain_logits(logits[:, 0], h[:, 0], roots)
+        top = torch.log_softmax(lg.float(), -1).topk(min(w, V), -1)
+        toks, scores = [top.indices], [top.values]
+        parents = [torch.full_like(top.indices, -1)]
+        f_ids, f_tok, f_score = torch.arange(top.indices.shape[1], device=h.device)[None].expand(B, -1), \
+            top.indices, top.values
+        depth = [torch.ones(top.indices.shape[1], dtype=torch.long, device=h.device)]
+        offset = top.indices.shape[1]
+        fw = f_tok.shape[1]
+        if state is not None:
+            state = state[:, None].expand(B, fw, state.shape[-1])
+        for d in range(1, K):
+            lg, st = m.chain_logits(logits[:, d, None].expand(B, fw, V), h[:, d, None].expand(B, fw, h.shape[-1]),
+                                    f_tok, state)
+            cand = (torch.log_softmax(lg.float(), -1) + f_score[..., None]).topk(min(w, V), -1)  # (B, fw, w)
+            cw = cand.indices.shape[-1]
+            toks.append(cand.indices.reshape(B, -1))
+            scores.append(cand.values.reshape(B, -1))
+            parents.append(f_ids[..., None].expand(B, fw, cw).reshape(B, -1))
+            depth.append(torch.full((fw * cw,), d + 1, dtype=torch.long, device=h.device))
+            best = scores[-1].topk(min(w, fw * cw), -1).indices  # the next frontier: the depth's w best
+            f_ids, f_tok, f_score = offset + best, toks[-1].gather(1, best), scores[-1].gather(1, best)
+            if st is not None:
+                state = st.gather(1, (best // cw)[..., None].expand(B, best.shape[1], st.shape[-1]))
+            offset += fw * cw
+            fw = f_tok.shape[1]
+        toks, scores, parents = torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+        depth = torch.cat(depth)
+        valid = (depth[None] <= torch.tensor(ks, device=h.device)[:, None]) & torch.isfinite(scores)
+        budgets = [self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes) for c in ctxs]
+        n_keep = [min(b, int(v)) for b, v in zip(budgets, valid.sum(1).tolist())]
+        return keep_best(ctxs, toks, scores, parents, valid, n_keep)
 
-@register("dflash", {"confidence_threshold": float_key(0.0, 1.0)}, (".trainer",))
+
+@register("dflash", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS}, (".trainer",))
 class DFlashDrafter(BlockDrafter):
     pass
 
 
-@register("dflash2", {}, (".trainer",), no_export="speculators' DFlash 2 layout is not public; its checkpoint is "
+@register("dflash2", dict(TREE_KEYS), (".trainer",), no_export="speculators' DFlash 2 layout is not public; its checkpoint is "
                                                   "z-lab's (DFlash2DraftModel), which vLLM reads as it is")
 class DFlash2Drafter(BlockDrafter):
     pass
 
 
-@register("dspark", {"confidence_threshold": float_key(0.0, 1.0)}, (".trainer",))
+@register("dspark", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS}, (".trainer",))
 class DSparkDrafter(BlockDrafter):
     @classmethod
     def find(cls, spec, target_config) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
-from ..rows import chains, draw, fitting_groups, own_store
+from ..rows import chains, draw, fitting_groups, keep_best, own_store
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -319,24 +319,7 @@ class EagleDrafter(Drafter):
         best = scores.gather(1, frontier).max(-1).values
         return not bool(((k_of > depth) & (best > kth)).any())
 
-    @staticmethod
-    def _select(ctxs, toks, scores, parents, valid, n_keep: list[int]) -> list[DraftTree]:
-        """The rerank, for all rows at once. toks, scores, parents, valid: (B, N) candidates (valid: not deeper
-        than the row's k); row b keeps its best n_keep[b] valid candidates (ties: the lower id, which is the
-        parent first), in id order, with kept parents renumbered as tree nodes (node 0 = the root). Scores fall
-        along a path, so a kept candidate's parent is kept. One host read for all rows."""
-        B, N = scores.shape
-        dev = scores.device
-        ids = torch.arange(N, device=dev)
-        order = scores.masked_fill(~valid, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-        rank_kept = ids[None] < torch.tensor(n_keep, device=dev)[:, None]  # (B, N): rank r is kept
-        keep = torch.zeros(B, N, dtype=torch.bool, device=dev).scatter_(1, order, rank_kept)
-        node = keep.cumsum(-1)  # the tree node of each kept candidate: its 1-based rank in id order
-        pnode = torch.where(parents < 0, 0, node.gather(1, parents.clamp(min=0)))
-        kept = torch.where(keep, ids, N + ids).topk(max(n_keep), -1, largest=False).indices  # kept ids, ascending
-        tok_l, par_l = torch.stack([toks.gather(1, kept), pnode.gather(1, kept)]).tolist()
-        return [DraftTree([c.tokens[-1], *tok_l[b][:n]], [-1, *par_l[b][:n]])
-                for b, (c, n) in enumerate(zip(ctxs, n_keep))]
+    _select = staticmethod(keep_best)  # the rerank (rows.py), shared with the block drafters' trees
 
 
 @register("eagle", TREE_KEYS, (".trainer",),
