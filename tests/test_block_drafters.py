@@ -112,6 +112,62 @@ def test_confidence_threshold_truncates(blocks):
         assert 0 < b.num_draft_tokens < a.num_draft_tokens, (a.num_draft_tokens, b.num_draft_tokens)
 
 
+def test_confidence_cut_is_non_anticipating(blocks, monkeypatch):
+    """DSpark paper, Appendix A: target p = (.7, .3), draft q = (.5, .5). A cut decided after seeing the drafted
+    token (drop the draft when it is token 1) makes the output (.85, .15); a cut decided before the token is drawn
+    leaves it p = (.7, .3). Monte Carlo through the real verifier (the test can fail: the retrospective rule does),
+    then the DSpark drafter's order: each slot's confidence is computed from the token chosen before it, before
+    that slot's own token is drawn."""
+    from specloom.drafters.block import drafter as block_drafter
+    from specloom.sampling import SamplingParams
+    from specloom.tree import DraftTree
+    from specloom.verify import verify
+
+    p_logits = torch.log(torch.tensor([[0.7, 0.3], [0.5, 0.5]]))
+    q = torch.tensor([[0.5, 0.5]])
+    params = SamplingParams(temperature=1.0, rule="rejection")
+    g = torch.Generator().manual_seed(0)
+
+    def first_token_share(retrospective: bool, n: int = 20000) -> float:
+        zeros = 0
+        for _ in range(n):
+            x = int(torch.multinomial(q[0], 1, generator=g))
+            keep = x == 0 if retrospective else bool(torch.rand((), generator=g) < 0.5)
+            tree = DraftTree.chain(0, [x], q) if keep else DraftTree.chain(0, [])
+            zeros += verify(tree, p_logits[:len(tree)], params, g).tokens[0] == 0
+        return zeros / n
+
+    assert abs(first_token_share(False) - 0.7) < 0.015
+    assert abs(first_token_share(True) - 0.85) < 0.015
+    # the drafter: confidence of slot p from the token of slot p - 1 (the root first), before slot p is drawn
+    t, paths = blocks
+    e = engine(t, paths["dspark"], "dspark", confidence_threshold=0.3)
+    m = e.drafter.model
+    events = []
+    conf = m.confidence_logit
+    m.confidence_logit = lambda h, prev: events.append(("conf", prev.tolist())) or conf(h, prev)
+    real_draw = block_drafter.draw
+
+    def spy_draw(*a, **k):
+        out = real_draw(*a, **k)
+        events.append(("draw", list(out)))
+        return out
+
+    monkeypatch.setattr(block_drafter, "draw", spy_draw)
+    propose = e.drafter.propose
+    e.drafter.propose = lambda ctxs: events.append(("step", [c.tokens[-1] for c in ctxs])) or propose(ctxs)
+    e.generate(prompt_token_ids=PROMPTS[0], max_tokens=10, ignore_eos=True, temperature=1.0, seed=3)
+    steps = 0
+    for a, b in zip(events, events[1:]):
+        if b[0] == "step":
+            continue
+        assert (a[0], b[0]) in {("step", "conf"), ("conf", "draw"), ("draw", "conf")}, (a, b)
+        if b[0] == "conf":  # reads the root (a step's first slot) or the token just drawn
+            assert b[1] == a[1], (a, b)
+            steps += a[0] == "step"
+    assert steps >= 2
+
+
 class _Oracle:
     """Every drafted slot j of a step with root position n scores the true token x_{n+1+j} far above the rest."""
 
