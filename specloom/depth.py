@@ -372,7 +372,7 @@ class DepthPolicy:
                 unit = rep.pass_seconds / self.cost(n, rep.width)
             if unit and rep.pass_seconds > 0 and not plan.backlog:  # before calibration: what the curve predicted
                 # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
-                drafted_rows = [k for i, k in enumerate(ks) if k > 0 and i not in free]
+                drafted_rows = [k for i, k in enumerate(ks) if k > 0 and i not in free and i not in rep.forced]
                 predicted = self.cost(n, rep.width) + sum(drafted_rows) * self.draft_cost
                 measured = (rep.pass_seconds + rep.draft_seconds) / unit
                 if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
@@ -382,6 +382,8 @@ class DepthPolicy:
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
         for i, (r, tree, acc) in enumerate(zip(rows, rep.trees, rep.accepted)):
+            if i in rep.forced:  # the grammar's forced tokens, not the drafter's: nothing to learn about it
+                continue
             if i in free:  # the row's acceptance only: a free draft says nothing of drafting cost or tree size
                 r.acc.update(tree.max_depth, acc)
                 continue

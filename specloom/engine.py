@@ -183,7 +183,7 @@ class Engine:
             rep = stepper.step([row], plan)
             policy.observe([row], plan, rep)
             depths.append(plan.depths[0])
-            drafted += len(rep.trees[0]) > 1
+            drafted += len(rep.trees[0]) > 1 and 0 not in rep.forced  # (a grammar-forced tree is not a draft)
         if row.error is not None:
             raise row.error
         result = row.result()

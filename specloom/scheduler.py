@@ -316,7 +316,8 @@ class BatchScheduler:
         m = self.monitor
         if m is None:
             return
-        m.observe(rep.trees, rep.accepted)
+        mine = [i for i in range(len(rep.trees)) if i not in rep.forced]  # grammar-forced trees are not the drafter's
+        m.observe([rep.trees[i] for i in mine], [rep.accepted[i] for i in mine])
         if self.policy.mode != "load_aware":
             return
         if m.degraded and m.alpha is not None:

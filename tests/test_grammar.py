@@ -561,6 +561,39 @@ def test_real_forced_tool_call_exact_under_speculation(smollm2):
         assert r.num_target_passes < ref.num_target_passes  # speculation did something
 
 
+@pytest.mark.real
+def test_real_jump_forward_drafts_what_the_grammar_forces(smollm2):
+    """Grammar jump-forward: where the constraint forces the next tokens (the tool-call envelope, a JSON key,
+    a closing brace) they are drafted for free. Same tokens as without it (plain and with a drafter); fewer
+    target passes on a forced tool call and on a response_format schema."""
+    from specloom.step import Stepper
+
+    tool = {"messages": ASK, "tools": [WEATHER, TIME],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    person = {"messages": [{"role": "user", "content": "Describe Ada, a 36 year old engineer, as JSON."}],
+              "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}}
+    passes = {}
+    for name, body in (("tool", tool), ("person", person)):
+        for spec in (None, {"method": "ngram"}):
+            runs = {}
+            for jump in (False, True):
+                Stepper.jump_forward = jump
+                try:
+                    _, r, c = run_plan(smollm2, body, spec)
+                finally:
+                    Stepper.jump_forward = True
+                assert c.done, r.text
+                runs[jump] = r
+            assert runs[True].token_ids == runs[False].token_ids, (name, spec)
+            passes[(name, bool(spec))] = (runs[False].num_target_passes, runs[True].num_target_passes,
+                                          len(runs[True].token_ids))
+    for key, (without, with_jump, tokens) in passes.items():
+        assert with_jump < without, (key, passes)
+    # the forced tool call: most of its tokens are the envelope and the keys
+    without, with_jump, tokens = passes[("tool", False)]
+    assert tokens / with_jump > 1.5 * tokens / without, passes
+
+
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
     "role": {"enum": ["student", "teacher", "engineer"]},

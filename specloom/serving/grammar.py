@@ -253,6 +253,18 @@ class Constraint:
                 raise GrammarError(f"token {t} violates the grammar: {_brief(self._m.get_error())}")
             self._emitted.append(t)
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (llguidance's fast-forward tokens: the forced bytes,
+        tokenized canonically; a JSON key, a closing brace, a tool-call envelope). The step drafts them for free;
+        they are drafts like any other (the masked target verifies them), so a tokenization the target would
+        not choose costs one wider pass, never exactness. None after an EOS."""
+        if self._ended or limit <= 0 or self._m.is_stopped():
+            return []
+        try:
+            return [int(t) for t in self._m.compute_ff_tokens()[:limit]]
+        except Exception:  # a matcher in an error state: nothing forced (mask / advance report it)
+            return []
+
     def _replay(self, path: list[int]) -> None:
         """A fresh matcher at the state after the emitted tokens and then `path` (drafted tokens)."""
         m = self._start.deep_copy()
