@@ -88,6 +88,24 @@ def test_blocks_as_shipped_right_and_batch_invariant_on_both_isas(type_name, act
     assert torch.equal(outs[False], outs[True]), "the AVX2 path rounds differently from the AVX-512 path"
 
 
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_gradient_through_a_frozen_ggml_linear(act):
+    """A drafter trained through the target's GGUF head (DFlash, DSpark, EAGLE-1, Medusa) needs the input's
+    gradient: grad_out @ W with W dequantised; the forward stays the kernel's own bits, and without autograd
+    nothing changes."""
+    k, n = 256, 40
+    raw = _blocks("Q4_0", n, k, seed=3)
+    w = ggml_linear.GGMLLinear([(torch.from_numpy(raw.copy()), ggml_linear.KERNEL_TYPES["Q4_0"])], k, act)
+    w.fp32_out = True
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4)).to(act).requires_grad_()
+    y = w(x)
+    assert torch.equal(y.detach(), w(x.detach()))
+    g = torch.randn(5, n, generator=torch.Generator().manual_seed(5))
+    y.backward(g)
+    ref = (g.to(act) @ _reference(raw, "Q4_0", k).to(act)).to(act)
+    assert x.grad.dtype == act and torch.allclose(x.grad.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
 def _assert_invariant(w, x, y):
     for rows in (1, 2, 3, 4, 5, 9, 16):
         assert torch.equal(w(x[:rows]), y[:rows]), f"a {rows}-row pass differs from the same rows in a bigger pass"

@@ -301,6 +301,18 @@ class GGMLLinear(nn.Module):
         return self.ws[0].storage_ptr()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():  # a drafter trained through the target's head or layers
+            return _Through.apply(x, self)
+        return self._run(x)
+
+    def dense_for_grad(self) -> torch.Tensor:
+        """The dequantised weight a backward pass multiplies by (made once, kept: a trainer runs many)."""
+        w = getattr(self, "_grad_weight", None)
+        if w is None:
+            w = self._grad_weight = self.weight
+        return w
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         want = torch.bfloat16 if self.repacked else (x.dtype if x.dtype in (torch.bfloat16, torch.float32)
                                                      else torch.float32)
         x2 = x if x.dtype == want and x.is_contiguous() else x.to(want).contiguous()
@@ -348,6 +360,21 @@ class GGMLEmbedding(nn.Module):
 def held_modules(model: nn.Module) -> list[nn.Module]:
     """The model's modules that compute from GGML blocks."""
     return [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]
+
+
+class _Through(torch.autograd.Function):
+    """The frozen GGML linear inside autograd: the forward is the kernel's, the input's gradient is
+    grad_out @ W with W dequantised (the weights themselves get none: they are the target's, frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, mod):
+        ctx.mod, ctx.dtype = mod, x.dtype
+        return mod._run(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        w = ctx.mod.dense_for_grad()
+        return (g.to(w.dtype) @ w).to(ctx.dtype), None
 
 
 def dense_linear(m: GGMLLinear) -> nn.Linear:
