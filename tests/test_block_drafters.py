@@ -462,7 +462,8 @@ def dataset(tiny, tmp_path_factory):
 
 @pytest.mark.parametrize("kind,extra", [("dflash", ["--block-size", "4"]),
                                         ("dflash2", ["--block-size", "4", "--selector-rank", "8",
-                                                     "--selector-top-k", "4", "--conv-group-size", "16"]),
+                                                     "--selector-top-k", "4", "--conv-group-size", "16",
+                                                     "--slot-weights", "dpace", "--block-loss", "dspark"]),
                                         ("dspark", ["--block-size", "3", "--markov-rank", "8",
                                                     "--markov-head", "gated", "--warm-start-layer", "-1"])])
 def test_train_block_drafter(dataset, kind, extra):
@@ -494,6 +495,20 @@ def test_train_block_drafter(dataset, kind, extra):
         a = e.generate(prompt_token_ids=ids, max_tokens=20, ignore_eos=True)
         assert a.token_ids == plain(t, ids).token_ids[:20]
         assert a.num_draft_tokens > 0
+
+
+def test_dpace_weights():
+    """D-PACE: w_j = sum_{m >= j} prod_{i <= m} a_i with a_i = sum_v min(p, q): a slot weighs the accepted tokens
+    it can still lead to (normalised to mean 1)."""
+    from specloom.drafters.block.trainer import dpace_weights
+
+    big = 30.0
+    tgt = torch.tensor([[[big, 0, 0], [big, 0, 0], [big, 0, 0]]])
+    same = dpace_weights(tgt.clone(), tgt)  # a = 1 everywhere: w = (3, 2, 1) / 2
+    assert torch.allclose(same, torch.tensor([[1.5, 1.0, 0.5]]), atol=1e-4)
+    half = torch.tensor([[[big, 0, 0], [0, big, 0], [big, 0, 0]]])  # slot 2 never accepted: a = (1, 0, 1)
+    w = dpace_weights(half, tgt)
+    assert torch.allclose(w, torch.tensor([[3.0, 0.0, 0.0]]), atol=1e-4)
 
 
 def test_block_warm_start_copies_target_layers(tiny):

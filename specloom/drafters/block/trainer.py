@@ -50,6 +50,16 @@ def default_mask_token(tokenizer, data, vocab_size: int) -> int:
     return int(counts.numel() - 1 - order[0])
 
 
+def dpace_weights(logits: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+    """D-PACE slot weights (ModelOpt / speculators' DFlash default): w_j = sum_{m >= j} prod_{i <= m} a_i, a_i the
+    acceptance chance of slot i now (sum_v min(p, q), detached), normalised to mean 1 per anchor: a slot counts
+    as much as the accepted tokens it can still lead to. logits, tgt (N, S, V) -> (N, S)."""
+    a = torch.minimum(torch.softmax(logits.float(), -1), torch.softmax(tgt.float(), -1)).sum(-1)  # (N, S)
+    reach = torch.cumprod(a, -1)
+    w = reach.flip(-1).cumsum(-1).flip(-1)
+    return w / w.mean(-1, keepdim=True).clamp(min=1e-6)
+
+
 def warm_start(model, target, layer: int) -> None:
     """Start the draft layers from target layers `layer`, `layer` + 1, ... (negative: from the end): attention,
     MLP and norms copied (training/warm_start.py), `fc` picking the last feature and `hidden_norm` the first copied
@@ -165,16 +175,23 @@ class _BlockTrainer(_Base):
                 bj, state = m.markov_bias(prev[:, j], hs[:, j], state)
                 bias.append(bj)
             logits = logits + torch.stack(bias, 1)
-        w = torch.tensor([math.exp(-j / DECAY) for j in range(S)], device=dev)
+        if getattr(self.args, "slot_weights", "decay") == "dpace":  # the accepted tokens each slot leads to
+            w = dpace_weights(logits.detach(), tgt)  # (N, S)
+        else:
+            w = torch.tensor([math.exp(-j / DECAY) for j in range(S)], device=dev).expand(logits.shape[0], S)
+        w = w / w.sum(-1, keepdim=True).clamp(min=1e-6)  # each anchor's slot weights sum to 1
         ce = _soft_ce(logits, tgt)  # (N, S)
-        total = (ce * w).sum() / (n * w.sum())
+        if getattr(self.args, "block_loss", "ce") == "dspark":  # DSpark's: 0.1 CE + 0.9 total variation
+            tv = 0.5 * (torch.softmax(logits.float(), -1) - torch.softmax(tgt.float(), -1)).abs().sum(-1)
+            ce = 0.1 * ce + 0.9 * tv
+        total = (ce * w).sum() / n
         metrics = {}
         agree = logits.argmax(-1) == tgt.argmax(-1)
         if m.has_selector:  # K-way soft CE over the candidates: the target's mass there, renormalised by the softmax
             sc, cand = m.candidate_selector.scores(logits, hs, prev)  # (N, S, K)
             pt = torch.softmax(tgt.float(), -1).gather(-1, cand)
             sel = -(pt * torch.log_softmax(sc, -1)).sum(-1)  # = mass x CE against the target within the candidates
-            total = total + (sel * w).sum() / (n * w.sum())
+            total = total + (sel * w).sum() / n
             agree = cand.gather(-1, sc.argmax(-1, keepdim=True)).squeeze(-1) == tgt.argmax(-1)
             metrics["in_top_k"] = float(shard_mean((cand == tgt.argmax(-1, keepdim=True)).any(-1)[:, 0].float(), n))
         for j in range(S):
@@ -184,7 +201,7 @@ class _BlockTrainer(_Base):
                 target_c = 1 - 0.5 * (torch.softmax(logits.float(), -1) - torch.softmax(tgt, -1)).abs().sum(-1)
             cl = m.confidence_logit(hs, prev)
             bce = F.binary_cross_entropy_with_logits(cl.float(), target_c.clamp(0, 1), reduction="none")
-            total = total + (bce * w).sum() / (n * w.sum())
+            total = total + (bce * w).sum() / n
             metrics["conf_err"] = float(shard_mean((torch.sigmoid(cl.float()) - target_c).abs(), n * S))
         return total, metrics
 
@@ -271,6 +288,11 @@ def add_arguments(t) -> None:
     option(t, "--num-anchors", type=positive_int, default=32,
            help="dflash, dspark: blocks (anchors) trained per sequence and batch")
     option(t, "--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
+    option(t, "--slot-weights", choices=("decay", "dpace"), default="decay",
+           help="dflash, dflash2, dspark: per-slot loss weights: exp(-(k-1)/4) (default) or D-PACE (the expected "
+                "accepted tokens each slot leads to, from the drafter's current acceptance)")
+    option(t, "--block-loss", choices=("ce", "dspark"), default="ce",
+           help="dflash, dflash2, dspark: soft cross-entropy (default) or DSpark's 0.1 CE + 0.9 total variation")
     option(t, "--conv-kernel-size", type=positive_int, default=2, help="dflash2: taps of the dynamic causal conv")
     option(t, "--conv-group-size", type=positive_int, default=64,
            help="dflash2: channels sharing one dynamic tap weight (must divide the hidden size)")
