@@ -14,7 +14,7 @@ FLOORS = [
     ("__main__", "cli"),
     ("bench", "serving", "jobs", "doctor", "export", "quantize"),
     ("__init__", "engine", "scheduler"),
-    ("depth", "cost", "speculative"),
+    ("depth", "cost", "cost_refresh", "speculative"),
     ("step",),
     ("drafters",),
     ("training",),
