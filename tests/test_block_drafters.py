@@ -497,6 +497,39 @@ def test_train_block_drafter(dataset, kind, extra):
         assert a.num_draft_tokens > 0
 
 
+def test_warm_start_from_a_dflash_checkpoint(dataset, capsys):
+    """`--init-from` a DFlash checkpoint: DFlash 2 and DSpark (another block size: the DSpark paper's warm start)
+    start from its backbone (fc, hidden_norm, layers, norm equal after a step at lr 0); a DFlash of another shape
+    is one clear line."""
+    from safetensors.torch import load_file
+
+    from specloom.cli import main
+
+    t, data, root = dataset
+    common = ["--target", t.path, "--data", data, "--tokens-per-batch", "256", "--warmup", "1", "--num-anchors", "4",
+              "--draft-intermediate", "64"]
+    src = str(root / "warm_src")
+    assert main(["train", "dflash", *common, "--out", src, "--steps", "3", "--lr", "3e-3", "--block-size", "4"]) == 0
+    base = load_file(os.path.join(src, "model.safetensors"))
+    for kind, extra, name in (("dflash2", ["--block-size", "4", "--conv-group-size", "16", "--selector-rank", "8"],
+                               lambda n: n),
+                              ("dspark", ["--block-size", "3", "--markov-rank", "8"],
+                               lambda n: "mtp.0.main_proj.weight" if n == "fc.weight" else
+                               "mtp.0.main_norm.weight" if n == "hidden_norm.weight" else
+                               "mtp." + n[len("layers."):] if n.startswith("layers.") else "mtp.0." + n)):
+        out = str(root / f"warm_{kind}")
+        assert main(["train", kind, *common, "--out", out, "--steps", "1", "--lr", "0", "--init-from", src,
+                     *extra]) == 0
+        got = load_file(os.path.join(out, "model.safetensors"))
+        for n, v in base.items():
+            assert torch.equal(got[name(n)].float(), v.float()), (kind, n)
+    capsys.readouterr()
+    assert main(["train", "dspark", *common, "--out", str(root / "warm_bad"), "--steps", "1", "--init-from", src,
+                 "--draft-intermediate", "32"]) != 0
+    err = capsys.readouterr().err
+    assert "needs a DFlash drafter of the same shape" in err and "Traceback" not in err
+
+
 def test_dpace_weights():
     """D-PACE: w_j = sum_{m >= j} prod_{i <= m} a_i with a_i = sum_v min(p, q): a slot weighs the accepted tokens
     it can still lead to (normalised to mean 1)."""

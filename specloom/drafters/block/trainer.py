@@ -242,29 +242,33 @@ class DFlash2Trainer(_BlockTrainer):
 
 
 def init_from_dflash(model, path: str, target) -> None:
-    """Copy a DFlash checkpoint's tensors into a DFlash 2 model of the same shape (one clear line where the
-    shapes or the block differ); the convs and the selector keep their neutral start."""
+    """Copy a DFlash checkpoint's backbone into a DFlash 2 or DSpark model: `fc`, `hidden_norm`, the draft layers
+    and `norm` (none of them depends on the block size, so a DSpark of block 5 may start from a DFlash of block
+    6 -- the DSpark paper's warm start). The layers must match in number and width (one clear line otherwise);
+    what the DFlash lacks (convs, selector, Markov and confidence heads) keeps its neutral start."""
     from ...errors import SpecloomError
     from .format import block_config, expected_shapes
     from ..checkpoint import _load_json, read_tensors, take, weights_file
 
     raw = _load_json(f"{path}/config.json")
     cfg = block_config(path, raw, target.config, "dflash")
-    if (cfg.block_size, cfg.num_layers, cfg.intermediate_size, tuple(cfg.feature_ids)) != (
-            model.config.block_size, model.config.num_layers, model.config.intermediate_size,
-            tuple(model.config.feature_ids)):
-        raise SpecloomError(f"{path}: --init-from needs a DFlash drafter of the same shape (block {cfg.block_size}, "
-                            f"{cfg.num_layers} layers, MLP {cfg.intermediate_size}, features {list(cfg.feature_ids)}; "
-                            f"this run: block {model.config.block_size}, {model.config.num_layers} layers, MLP "
-                            f"{model.config.intermediate_size}, features {list(model.config.feature_ids)})")
+    mine = model.config
+    if (cfg.num_layers, cfg.intermediate_size, tuple(cfg.feature_ids)) != (
+            mine.num_layers, mine.intermediate_size, tuple(mine.feature_ids)):
+        raise SpecloomError(f"{path}: --init-from needs a DFlash drafter of the same shape ({cfg.num_layers} layers, "
+                            f"MLP {cfg.intermediate_size}, features {list(cfg.feature_ids)}; this run: "
+                            f"{mine.num_layers} layers, MLP {mine.intermediate_size}, features "
+                            f"{list(mine.feature_ids)})")
     wf = weights_file(path)
     tensors = read_tensors(wf)
     own = model.state_dict()
     with torch.no_grad():
         for name, shape in expected_shapes(cfg).items():
             own[name].copy_(take(tensors, name, shape, wf).to(own[name].dtype))
-    model.config.mask_token_id = cfg.mask_token_id
-    print(f"specloom train dflash2: started from the DFlash drafter {path}", file=sys.stderr)
+    if mine.anchor_predicts == cfg.anchor_predicts:  # the same slot meaning: the same MASK token
+        mine.mask_token_id = cfg.mask_token_id
+    print(f"specloom train {'dspark' if mine.anchor_predicts else 'dflash2'}: started from the DFlash drafter {path}",
+          file=sys.stderr)
 
 
 @trainer("dspark")
@@ -272,6 +276,16 @@ class DSparkTrainer(_BlockTrainer):
     anchor_predicts = True
     default_block = 5
     markov = True
+
+    def init_from(self, path: str) -> None:
+        """`--init-from`: a DSpark checkpoint (every tensor it shares), or a DFlash one (its backbone; the
+        Markov and confidence heads keep their neutral start)."""
+        from .format import layout_of
+        from ..checkpoint import _load_json, init_from_checkpoint
+
+        if layout_of(_load_json(f"{path}/config.json")) in ("zlab", "speculators-dflash"):
+            return init_from_dflash(self.model, path, self.target)
+        init_from_checkpoint(self.model, path, "dspark", self.target, self.tokenizer)
 
     def save(self, path, meta):
         from ..checkpoint import save_drafter
