@@ -74,11 +74,16 @@ def kinds(tiny, tmp_path_factory):
         "dflash": {"method": "dflash", "model": save_block(t, make_block(t, False, 5), "dflash", str(root / "df"))},
         "dspark": {"method": "dspark", "model": save_block(t, make_block(t, True, 4, "vanilla", confidence=True),
                                                           "dspark", str(root / "ds"))},
+        "dflash2_tree": {"method": "dflash2", "model": save_block(t, make_block(t, False, 5, seed=3, dflash2=True),
+                                                                 "dflash2", str(root / "df2")),
+                         "tree_width": 3, "num_draft_tokens": 8},
+        "dspark_tree": {"method": "dspark", "model": save_block(t, make_block(t, True, 3, "rnn", seed=2),
+                                                               "dspark", str(root / "ds_rnn")), "tree_width": 2},
     }
 
 
 @pytest.mark.parametrize("kind", ["ngram", "self_draft", "draft_model_tree", "eagle_tree", "eagle3", "medusa",
-                                  "dflash", "dspark", "mtp"])
+                                  "dflash", "dspark", "mtp", "dflash2_tree", "dspark_tree"])
 def test_batched_identical_to_alone(kinds, kind):
     t, mtp_dir, specs = kinds
     if kind == "mtp":
@@ -112,7 +117,7 @@ def test_batched_other_families_and_load_aware(tiny, family):
     assert [r.token_ids for r in run_batched(engine, prompts, rows=4, mode="load_aware", cost=cost)] == want
 
 
-@pytest.mark.parametrize("kind", ["self_draft", "ngram", "eagle_tree", "dspark"])
+@pytest.mark.parametrize("kind", ["self_draft", "ngram", "eagle_tree", "dspark", "dflash2_tree"])
 def test_batched_sampling_equals_alone_seed_for_seed(kinds, kind):
     """Under sampling each sequence keeps its own generator and draws in the same order as alone, so a seeded
     sequence gives the very same tokens batched as alone -- and the alone engine's distribution is tested against
@@ -202,10 +207,12 @@ def test_memory_budget_sizes_the_pool(tiny):
         parse_size("lots")
 
 
-def test_load_aware_shrinks_trees_and_stays_exact(kinds):
-    """Load-aware depth below the drafter's own: the EAGLE-2 tree keeps proportionally fewer nodes; still exact."""
+@pytest.mark.parametrize("kind", ["eagle_tree", "dflash2_tree"])
+def test_load_aware_shrinks_trees_and_stays_exact(kinds, kind):
+    """Load-aware depth below the drafter's own: the EAGLE-2 tree (or a block drafter's tree) keeps
+    proportionally fewer nodes; still exact."""
     t, _, specs = kinds
-    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs["eagle_tree"]), max_model_len=256)
+    engine = Engine(t.model, t.tokenizer, SpeculativeConfig.parse(specs[kind]), max_model_len=256)
     prompts = _prompts(seed=2)
     want = [Engine(t.model, t.tokenizer).generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids
             for p in prompts]
