@@ -19,11 +19,13 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 
 N = 29
 
 
-def make_eagle(t, path, eagle3: bool, seed=0, draft_vocab=None):
+def make_eagle(t, path, eagle3: bool, seed=0, draft_vocab=None, **norms):
     L = t.model.config.num_layers
     ids = (1, L // 2, L - 1) if eagle3 else (L,)
     V = t.model.config.vocab_size
     cfg = eagle_config_for(t.model.config, eagle3, ids, draft_vocab or V)
+    for k, v in norms.items():  # norm_before_fc, fc_norm, norm_output (EAGLE-3.1)
+        setattr(cfg, k, v)
     m = EagleDraftModel(cfg)
     init_weights(m, seed, std=0.3)
     if eagle3 and cfg.draft_vocab_size < V:
@@ -57,6 +59,7 @@ def drafters(tiny, tmp_path_factory):
         "eagle": make_eagle(t, str(root / "eagle"), False),
         "eagle3": make_eagle(t, str(root / "eagle3"), True, draft_vocab=200),
         "medusa": make_medusa(t, str(root / "medusa")),
+        "eagle31": make_eagle(t, str(root / "eagle31"), True, seed=1, fc_norm=True, norm_output=True),
     }
 
 
@@ -74,10 +77,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("method,extra", CASES)
+@pytest.mark.parametrize("method,extra", CASES + [("eagle31", {"num_speculative_tokens": 4, "tree_width": 3})])
 def test_random_drafter_identical(drafters, method, extra):
     t, paths = drafters
-    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": method, "model": paths[method], **extra}))
+    kind = "eagle3" if method == "eagle31" else method
+    e = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": kind, "model": paths[method], **extra}))
     for ids in PROMPTS:
         got = e.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True)
         assert got.token_ids == plain(t, ids).token_ids

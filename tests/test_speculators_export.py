@@ -164,6 +164,56 @@ def test_eagle3_export(smol, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ours, back))
 
 
+@pytest.mark.parametrize("flags", [{"norm_before_fc": True}, {"fc_norm": True, "norm_output": True},
+                                   {"norm_output": True}])
+def test_eagle3_feature_norms_match_speculators(smol, tmp_path, flags):
+    """speculators' EAGLE-3 norm flags (its training defaults now set norm_before_fc and norm_output; EAGLE-3.1 is
+    fc_norm + norm_output): written, read back, and the same logits per training-time-test step as speculators'
+    own model -- a checkpoint with them is not served as a plain EAGLE-3."""
+    import dataclasses
+
+    from specloom.drafters.eagle.format import build_eagle
+    from specloom.drafters.eagle.model import EagleDraftModel
+
+    base = build_eagle(os.path.join(SMOL, "eagle3"), raw(os.path.join(SMOL, "eagle3")), smol, True)
+    src = EagleDraftModel(dataclasses.replace(base.config, **flags))
+    state = {k: v.float() for k, v in base.state_dict().items()}
+    g = torch.Generator().manual_seed(7)
+    for k, v in src.state_dict().items():
+        if k not in state:  # the new norms: weights away from one, so that they matter
+            state[k] = 1 + 0.3 * torch.randn(v.shape, generator=g)
+    src.load_state_dict(state)
+    src.attach_target(smol)
+    src.eval()
+    out = str(tmp_path / "eagle3n")
+    write_speculators("eagle3", src, out, {"kind": "eagle3", "depth": 3}, VERIFIER, ["LlamaForCausalLM"],
+                      torch.float32)
+    validate(out)
+    r = raw(out)
+    assert all(r[k] == flags.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output"))
+    cfg, sm = theirs(out, smol)
+    T = 10
+    feats = torch.randn(1, T, 3 * 576, generator=g) * 4
+    toks = torch.randint(0, 49152, (1, T), generator=g)
+    with torch.no_grad():
+        ours = [src.draft_logits(h) for _, h in src.ttt_forward(feats, toks, torch.ones(1, T, dtype=torch.bool), 3)]
+        got = []
+        hook = sm.lm_head.register_forward_hook(lambda mod, i, o: got.append(o.float()))
+        sm(hidden_states=feats, input_ids=F.pad(toks[:, 1:], (0, 1)), document_ids=torch.zeros(1, T, dtype=torch.long),
+           ttt_steps=3)
+        hook.remove()
+    for j in range(3):
+        n = T - 1 - j
+        torch.testing.assert_close(got[j][:, :n], ours[j][:, :n], atol=2e-3, rtol=1e-4)
+    again = build_eagle(out, r, smol, True)
+    assert all(getattr(again.config, k) == flags.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output"))
+    same_tensors(src, again)
+    # both feature norms at once: one clear line
+    r2 = dict(r, norm_before_fc=True, fc_norm=True)
+    with pytest.raises(SpecloomError, match="norm_before_fc and fc_norm are both set"):
+        build_eagle(out, r2, smol, True)
+
+
 def test_eagle3_rope_scaling_written(tmp_path):
     """A Llama-3.x target's frequency-dependent RoPE scaling reaches the draft layer config vLLM builds from."""
     from specloom.config import RopeScaling

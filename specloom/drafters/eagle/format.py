@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from ...config_fields import check_attention_shape, config_dict, float_field, int_field, layer_ids, sub_dict
+from ...config_fields import (bool_field, check_attention_shape, config_dict, float_field, int_field, layer_ids,
+                             sub_dict)
 from ...errors import DrafterMismatch, SpecloomError
 from ...models.cpu_packing import pack_linears
 from ..base import export_form
@@ -69,7 +70,13 @@ def _config(raw: dict, eagle3: bool, target, where: str) -> EagleConfig:
         rope_theta=float_field(lc, "rope_theta", 10000.0, what=what),
         fc_bias=bool(raw.get("bias", True)) and not eagle3,
         max_position=int_field(lc, "max_position_embeddings", 8192, what=what),
+        norm_before_fc=bool_field(raw, "norm_before_fc", False, what=what) and eagle3,
+        fc_norm=bool_field(raw, "fc_norm", False, what=what) and eagle3,
+        norm_output=bool_field(raw, "norm_output", False, what=what) and eagle3,
     )
+    if cfg.norm_before_fc and cfg.fc_norm:
+        raise SpecloomError(f"{where}: norm_before_fc and fc_norm are both set: they are exclusive (one norm over "
+                            "the concatenated features, or one per feature)")
     if not eagle3:
         cfg.draft_vocab_size = cfg.vocab_size
     key = "eagle_aux_hidden_state_layer_ids"
@@ -112,6 +119,10 @@ def _expected(cfg: EagleConfig) -> dict[str, tuple]:
             "lm_head.weight": (cfg.draft_vocab_size, H), p + "input_layernorm.weight": (H,),
             p + "hidden_norm.weight": (H,),
         })
+        if cfg.norm_before_fc:
+            exp["input_norm.weight"] = (len(cfg.feature_ids) * cfg.target_hidden_size,)
+        if cfg.fc_norm:
+            exp.update({f"fc_norm.{i}.weight": (cfg.target_hidden_size,) for i in range(len(cfg.feature_ids))})
     else:
         exp["fc.weight"] = (H, H + cfg.target_hidden_size)
         if cfg.fc_bias:
@@ -200,9 +211,12 @@ def save_eagle(model: EagleDraftModel, path: str, meta: dict, fmt: str = "specul
             "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
             "target_hidden_size": cfg.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(cfg.feature_ids),
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+            "norm_before_fc": cfg.norm_before_fc, "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,
+            "embed_requires_grad": False,
         }
     elif fmt == "eagle":
+        if cfg.norm_before_fc or cfg.fc_norm or cfg.norm_output:
+            raise ValueError("the official EAGLE-3 layout has no feature or output norms: write the speculators one")
         raw = {"architectures": ["LlamaForCausalLMEagle3"], **_llama_keys(cfg),
                "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.target_hidden_size,
                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.feature_ids),

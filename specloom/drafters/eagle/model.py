@@ -71,6 +71,12 @@ class EagleConfig(DraftConfigDict):
     rope_scaling: RopeScaling | None = None
     fc_bias: bool = True  # EAGLE-1 reference: True; EAGLE-3: always False
     max_position: int = 8192
+    # EAGLE-3 feature and recurrence norms (speculators' flags, drafters.md): one RMSNorm over the concatenated
+    # features before fc (`norm_before_fc`, gpt-oss style), or one per feature (`fc_norm`, EAGLE-3.1); and the
+    # drafted rows fed norm(h) instead of h (`norm_output`, EAGLE-3.1)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -182,6 +188,13 @@ class EagleDraftModel(nn.Module):
             self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool))
+            if c.norm_before_fc and c.fc_norm:
+                raise ValueError("norm_before_fc and fc_norm are exclusive (one norm over the concatenated features, "
+                                 "or one per feature)")
+            if c.norm_before_fc:
+                self.input_norm = RMSNorm(len(c.feature_ids) * c.target_hidden_size, c.rms_norm_eps)
+            if c.fc_norm:
+                self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in c.feature_ids)
         else:
             self.fc = nn.Linear(H + c.target_hidden_size, H, bias=c.fc_bias)
         self.layers = nn.ModuleList([EagleLayer(c)])
@@ -211,13 +224,20 @@ class EagleDraftModel(nn.Module):
     def input_hidden(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Target rows: features (B, T, F) from the target (concatenated ids) -> u (B, T, H)."""
         if self.config.eagle3:
-            return self.fc(features.to(self.dtype))
+            f = features.to(self.dtype)
+            if self.config.norm_before_fc:
+                f = self.input_norm(f)
+            elif self.config.fc_norm:
+                f = torch.cat([n(x) for n, x in zip(self.fc_norm, f.chunk(len(self.fc_norm), -1))], -1)
+            return self.fc(f)
         return self.fc(torch.cat([self.embed(tokens), features.to(self.dtype)], dim=-1))
 
     def next_input(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Drafted rows: the drafter's own output stands in for the target feature (EAGLE-3 feeds it as u,
         EAGLE-1 through fc together with the token embedding)."""
-        return h if self.config.eagle3 else self.input_hidden(h, tokens)
+        if self.config.eagle3:
+            return self.norm(h) if self.config.norm_output else h
+        return self.input_hidden(h, tokens)
 
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output hidden -> fp32 logits over the draft vocabulary (the full vocabulary for EAGLE-1)."""
@@ -316,8 +336,9 @@ def eagle_config_for(target_config, eagle3: bool, feature_ids, draft_vocab_size:
 def init_weights(model: EagleDraftModel, seed: int = 0, std: float = 0.02) -> None:
     """HF-style init: normal(0, std) matrices, zero biases, unit norms."""
     g = torch.Generator().manual_seed(seed)
+    norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if id(p) in norms or name.endswith("norm.weight") or "layernorm" in name:
             nn.init.ones_(p)
         elif p.dim() == 2:
             with torch.no_grad():

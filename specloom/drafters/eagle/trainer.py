@@ -30,6 +30,9 @@ def add_arguments(t) -> None:
     """`specloom train eagle | eagle3` options."""
     option(t, "--ttt-steps", type=positive_int, default=3, help="training-time-test unroll (eagle, eagle3)")
     option(t, "--token-weight", type=float, default=0.5, help="eagle: weight of the token loss")
+    option(t, "--eagle31", action="store_true",
+           help="eagle3: EAGLE-3.1's norms -- one RMSNorm per captured feature before fc, and the drafted rows fed "
+                "norm(h) (speculators' fc_norm + norm_output; vLLM reads them)")
     draft_vocabulary_options(t)
     warm_start_option(t)
 
@@ -54,6 +57,7 @@ class Eagle3Trainer(_Base):
                                           getattr(args, "draft_vocab_coverage", None))
         vd = used.numel()
         cfg = eagle_config_for(target.config, True, self.feature_ids, vd)
+        cfg.fc_norm = cfg.norm_output = bool(getattr(args, "eagle31", False))  # EAGLE-3.1's two norms
         self.model = EagleDraftModel(cfg)
         init_weights(self.model, args.seed)
         layer = getattr(args, "warm_start_layer", None)
