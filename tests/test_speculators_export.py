@@ -119,6 +119,25 @@ def test_bundled_eagle3_is_speculators_format():
     assert "embed_tokens.weight" in v["from_verifier"]
 
 
+def _same_ttt_logits(src, sm, feats, toks, steps: int = 3) -> list:
+    """The same features and tokens through speculators' training-time test (`sm`) and ours (`src`): the same
+    logits per step on the rows whose teacher-forced token is real (not the padding). Returns ours."""
+    T = toks.shape[1]
+    with torch.no_grad():
+        ours = [src.draft_logits(h) for _, h in src.ttt_forward(feats, toks, torch.ones(1, T, dtype=torch.bool),
+                                                                 steps)]
+        got = []
+        hook = sm.lm_head.register_forward_hook(lambda mod, i, o: got.append(o.float()))
+        sm(hidden_states=feats, input_ids=F.pad(toks[:, 1:], (0, 1)), document_ids=torch.zeros(1, T, dtype=torch.long),
+           ttt_steps=steps)
+        hook.remove()
+    for j in range(steps):
+        n = T - 1 - j
+        torch.testing.assert_close(got[j][:, :n], ours[j][:, :n], atol=2e-3, rtol=1e-4)
+        assert torch.equal(got[j][:, :n].argmax(-1), ours[j][:, :n].argmax(-1))
+    return ours
+
+
 def test_eagle3_export(smol, tmp_path):
     from specloom.drafters.eagle.format import build_eagle
 
@@ -144,17 +163,7 @@ def test_eagle3_export(smol, tmp_path):
     T = 12
     feats = torch.randn(1, T, 3 * 576, generator=g)
     toks = torch.randint(0, 49152, (1, T), generator=g)
-    with torch.no_grad():
-        ours = [src.draft_logits(h) for _, h in src.ttt_forward(feats, toks, torch.ones(1, T, dtype=torch.bool), 3)]
-        got = []
-        hook = sm.lm_head.register_forward_hook(lambda mod, i, o: got.append(o.float()))
-        sm(hidden_states=feats, input_ids=F.pad(toks[:, 1:], (0, 1)), document_ids=torch.zeros(1, T, dtype=torch.long),
-           ttt_steps=3)
-        hook.remove()
-    for j in range(3):
-        n = T - 1 - j  # rows whose teacher-forced token is real (not the padding)
-        torch.testing.assert_close(got[j][:, :n], ours[j][:, :n], atol=2e-3, rtol=1e-4)
-        assert torch.equal(got[j][:, :n].argmax(-1), ours[j][:, :n].argmax(-1))
+    ours = _same_ttt_logits(src, sm, feats, toks)
 
     # and specloom reads the export back: the same tensors, the same logits
     again = build_eagle(out, raw(out), smol, True)
@@ -195,16 +204,7 @@ def test_eagle3_feature_norms_match_speculators(smol, tmp_path, flags):
     T = 10
     feats = torch.randn(1, T, 3 * 576, generator=g) * 4
     toks = torch.randint(0, 49152, (1, T), generator=g)
-    with torch.no_grad():
-        ours = [src.draft_logits(h) for _, h in src.ttt_forward(feats, toks, torch.ones(1, T, dtype=torch.bool), 3)]
-        got = []
-        hook = sm.lm_head.register_forward_hook(lambda mod, i, o: got.append(o.float()))
-        sm(hidden_states=feats, input_ids=F.pad(toks[:, 1:], (0, 1)), document_ids=torch.zeros(1, T, dtype=torch.long),
-           ttt_steps=3)
-        hook.remove()
-    for j in range(3):
-        n = T - 1 - j
-        torch.testing.assert_close(got[j][:, :n], ours[j][:, :n], atol=2e-3, rtol=1e-4)
+    _same_ttt_logits(src, sm, feats, toks)
     again = build_eagle(out, r, smol, True)
     assert all(getattr(again.config, k) == flags.get(k, False) for k in ("norm_before_fc", "fc_norm", "norm_output"))
     same_tensors(src, again)
