@@ -245,28 +245,36 @@ def measure_in_passes(model, max_rows: int, context: int = 128, repeats: int | N
     return BatchCost(monotone({key: min(ts) for key, ts in times.items()}))
 
 
-@torch.inference_mode()
 def time_passes(model, tokens=(1,), context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Fastest seconds of a one-row pass over T tokens after `context` cached tokens, for each T in `tokens`
     (interleaved, so drift hits all alike; the fastest of `repeats` is the pass without another process's
     interference). T = 1 is the cost curve's unit, now."""
+    gen = time_in_passes(model, tokens, context, repeats)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def time_in_passes(model, tokens=(1,), context: int = 128, repeats: int = 5):
+    """`time_passes` one pass at a time: yields after every pass, returns {T: seconds} (cost_refresh.py)."""
     dev = model.device
-    kv = model.new_kv(context + max(tokens) + 1)
-    x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
-    model(x, torch.arange(context, device=dev)[None], kv, num_logits=1)
-    kv.commit()
-    inputs = {t: (torch.randint(0, model.config.vocab_size, (1, t), device=dev),
-                  torch.arange(context, context + t, device=dev)[None]) for t in tokens}
+    with torch.inference_mode():
+        kv = model.new_kv(context + max(tokens) + 1)
+        x = torch.randint(0, model.config.vocab_size, (1, context), device=dev)
+        model(x, torch.arange(context, device=dev)[None], kv, num_logits=1)
+        kv.commit()
+        inputs = {t: (torch.randint(0, model.config.vocab_size, (1, t), device=dev),
+                      torch.arange(context, context + t, device=dev)[None]) for t in tokens}
     times: dict[int, list[float]] = {t: [] for t in tokens}
     for rep in range(repeats + 1):  # the first round warms up
         for t in tokens:
-            sync(dev)
-            s = time.perf_counter()
-            model(*inputs[t], kv)
-            sync(dev)
+            took = _timed_pass(model, *inputs[t], kv)
             kv.truncate(context)
             if rep:
-                times[t].append(time.perf_counter() - s)
+                times[t].append(took)
+            yield
     return {t: min(ts) for t, ts in times.items()}
 
 

@@ -102,7 +102,7 @@ class CurveRefresh:
         curve to the host's speed now, or measure it again when the shape disagrees (cost.batch_cost_cached's
         rule, off the start-up path)."""
         widths = (1, *cost_mod.SHAPE_CHECK_TOKENS)
-        now = yield from self._time_widths(widths, repeats=7)
+        now = yield from cost_mod.time_in_passes(self.model, widths, repeats=7)
         ref = self.reference
         r0, t0 = ref.rows[0], ref.tokens[0]
         off = [(t, ref(r0, t), now[t] / now[1]) for t in cost_mod.SHAPE_CHECK_TOKENS]
@@ -118,28 +118,6 @@ class CurveRefresh:
                  f"pass: {c:.2f} decode steps cached, {f:.2f} measured now); measuring it again in idle time")
         self.state = "measuring"
         yield from self._measure("a fresh curve")
-
-    def _time_widths(self, widths, repeats: int):
-        """The fastest of `repeats` one-row passes per width after 128 cached tokens, one pass per `next`."""
-        import torch
-
-        model, dev = self.model, self.model.device
-        with torch.inference_mode():
-            kv = model.new_kv(128 + max(widths) + 1)
-            model(torch.randint(0, model.config.vocab_size, (1, 128), device=dev),
-                  torch.arange(128, device=dev)[None], kv, num_logits=1)
-            kv.commit()
-            inputs = {t: (torch.randint(0, model.config.vocab_size, (1, t), device=dev),
-                          torch.arange(128, 128 + t, device=dev)[None]) for t in widths}
-        times: dict[int, list[float]] = {t: [] for t in widths}
-        for rep in range(repeats + 1):
-            for t in widths:
-                took = cost_mod._timed_pass(model, *inputs[t], kv)
-                kv.truncate(128)
-                if rep:
-                    times[t].append(took)
-                yield
-        return {t: min(ts) for t, ts in times.items()}
 
     def _measure(self, what: str):
         """The full grid (cost.measure_in_passes), then adopted by the live curve and cached; a curve that looks
