@@ -170,7 +170,7 @@ def as_shipped(model, dtype=torch.bfloat16):
 
 
 KINDS = ["ngram", "suffix", "self_draft", "draft_model_tree", "eagle", "eagle_tree", "eagle3", "medusa", "dflash",
-         "dspark", "mtp"]
+         "dspark", "dflash2_tree", "mtp"]
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52], [9, 200, 9, 200, 17]]
 N = 24
 

@@ -217,6 +217,9 @@ def kinds(tiny, tmp_path_factory):
         "dflash": {"method": "dflash", "model": save_block(t, make_block(t, False, 5), "dflash", str(root / "df"))},
         "dspark": {"method": "dspark", "model": save_block(t, make_block(t, True, 4, "vanilla", confidence=True),
                                                           "dspark", str(root / "ds"))},
+        "dflash2_tree": {"method": "dflash2", "model": save_block(t, make_block(t, False, 5, seed=3, dflash2=True),
+                                                                 "dflash2", str(root / "df2")),
+                         "tree_width": 3, "num_draft_tokens": 8},
         "mtp": {"method": "mtp", "num_speculative_tokens": 2},
         "mtp_tree": {"method": "mtp", "num_speculative_tokens": 3, "tree_width": 2, "num_draft_tokens": 6},
     }
