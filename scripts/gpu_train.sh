@@ -15,7 +15,9 @@
 # --smoke: tiny sizes, for a CPU check of the plumbing (tests/test_gpu_train.py runs it with a tiny target).
 # Environment: PYTHON (default python), GPU_TRAIN_DEVICE (default cuda), GPU_TRAIN_TARGET (default smollm2-135m),
 # GPU_TRAIN_PROMPTS (default ../shared/data/train next to the checkout), GPU_TRAIN_MAGPIE (Magpie conversations,
-# default 60000; 0 for a target without a chat template).
+# default 60000; 0 for a target without a chat template), GPU_TRAIN_DATA (an existing `specloom data` folder, e.g.
+# the committed datasets/smollm2-135m: phase 1 is skipped and the drafters train on it), GPU_TRAIN_INIT (EAGLE-3
+# starts from this checkpoint instead of the target's last layer, e.g. the bundled one).
 set -u
 if [ $# -lt 1 ]; then
     echo "usage: $0 OUTDIR [--smoke]" >&2
@@ -64,13 +66,23 @@ if [ "$DEV" != cpu ] && ! "$PY" -c "import torch; assert torch.cuda.is_available
     exit 1
 fi
 
-run "data" "$PY" -m specloom data --target "$TARGET" --prompts "$PROMPTS" --magpie "$MAGPIE" --out "$OUT/data" \
-    --device "$DEV" --max-minutes "$DATA_MIN" "${DATA_ARGS[@]}"
-run "train eagle3" "$PY" -m specloom train eagle3 --target "$TARGET" --data "$OUT/data" --out "$OUT/eagle3" \
-    --device "$DEV" --max-minutes "$EAGLE_MIN" --warm-start-layer -1 --ttt-steps 5 --lr 1e-3 "${VOCAB[@]}" \
-    "${TRAIN_ARGS[@]}"
+DATA=${GPU_TRAIN_DATA:-}
+if [ -z "$DATA" ]; then
+    DATA="$OUT/data"
+    run "data" "$PY" -m specloom data --target "$TARGET" --prompts "$PROMPTS" --magpie "$MAGPIE" --out "$DATA" \
+        --device "$DEV" --max-minutes "$DATA_MIN" "${DATA_ARGS[@]}"
+else
+    log "=== data: $DATA (given; no generation)"
+fi
+if [ -n "${GPU_TRAIN_INIT:-}" ]; then
+    START=(--init-from "$GPU_TRAIN_INIT" --ttt-steps 4 --lr 5e-4)
+else
+    START=(--warm-start-layer -1 --ttt-steps 5 --lr 1e-3)
+fi
+run "train eagle3" "$PY" -m specloom train eagle3 --target "$TARGET" --data "$DATA" --out "$OUT/eagle3" \
+    --device "$DEV" --max-minutes "$EAGLE_MIN" "${START[@]}" "${VOCAB[@]}" "${TRAIN_ARGS[@]}"
 if [ "$DSPARK_MIN" != 0 ]; then
-    run "train dspark" "$PY" -m specloom train dspark --target "$TARGET" --data "$OUT/data" --out "$OUT/dspark" \
+    run "train dspark" "$PY" -m specloom train dspark --target "$TARGET" --data "$DATA" --out "$OUT/dspark" \
         --device "$DEV" --max-minutes "$DSPARK_MIN" --lr 2e-3 "${TRAIN_ARGS[@]}"
 fi
 
@@ -79,7 +91,7 @@ fi
 import glob, json, os, sys
 out, bad = sys.argv[1], []
 for fn in sorted(glob.glob(os.path.join(out, "*", "*.safetensors"))):
-    if "/data/" in fn:
+    if "/data/" in fn or "/datasets/" in fn:
         continue
     mb = os.path.getsize(fn) / 2**20
     print(f"{fn}: {mb:.1f} MB")

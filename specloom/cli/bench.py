@@ -17,7 +17,7 @@ def add(sub) -> None:
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (e.g. summarization,rag)")
     p.add_argument("--baseline", default="plain", metavar="NAME[,NAME...]",
                    help="baseline(s) timed interleaved with the candidate, comma-separated: plain (specloom without "
-                        "speculation, default), hf (HF transformers generate, fp32), hf-assisted (HF assisted "
+                        "speculation, default), hf (HF transformers generate: fp32 on the CPU, --dtype on a GPU), hf-assisted (HF assisted "
                         "generation with --baseline-draft), hf-lookup (HF prompt lookup), llama.cpp, "
                         "llama.cpp-lookup (llama-cpp-python: pip install 'specloom[llama]'), llama.cpp-draft "
                         "(llama.cpp's draft-model speculation: scripts/build_llama_speculative.sh); the first is "

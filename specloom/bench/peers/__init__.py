@@ -40,7 +40,7 @@ class PeerContext:
     eos_token_ids: frozenset  # specloom's EOS set: every peer stops at the same tokens
     threads: int  # torch's intra-op threads; llama.cpp peers use as many
     n_ctx: int  # longest prompt + max_tokens (+ a little): the context a peer must hold
-    dtype: str = "fp32"  # the candidate's dtype (specloom plain runs in it; HF peers run fp32)
+    dtype: str = "fp32"  # the candidate's dtype (specloom plain runs in it; HF peers: fp32 on CPU, this on a GPU)
     engine: object = None  # the candidate's Engine (plain shares its weights and tokenizer)
     draft_model: str | None = None  # hf-assisted / llama.cpp-draft: the draft model
     draft_tokens: int | None = None  # tokens drafted per step (None: each peer's own default)

@@ -1,4 +1,5 @@
-"""HF transformers `generate` on the same checkpoint (fp32, HF's default on CPU): `hf` (plain greedy),
+"""HF transformers `generate` on the same checkpoint and device as the candidate: fp32 on the CPU (HF's default
+there), the candidate's dtype on a GPU (bf16 by default, as vLLM and HF users run it there): `hf` (plain greedy),
 `hf-assisted` (assisted generation with a draft model: `assistant_model=`) and `hf-lookup` (prompt lookup:
 `prompt_lookup_num_tokens=`).
 
@@ -36,8 +37,9 @@ def _transformers(model: str | None = None):
     return transformers
 
 
-def load_hf_fp32(model: str):
-    """An HF causal LM in fp32 from an alias, a .gguf (dequantised by transformers) or an HF directory."""
+def load_hf_fp32(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """An HF causal LM (fp32 unless told) from an alias, a .gguf (dequantised by transformers) or an HF
+    directory, on `device`."""
     AutoModelForCausalLM = _transformers(model).AutoModelForCausalLM
     source = resolve(model)
     if source.kind == "gguf":
@@ -45,13 +47,24 @@ def load_hf_fp32(model: str):
         m = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
     else:
         m = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch.float32)
-    return m.eval().requires_grad_(False)
+    return m.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+_GPU_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def hf_placement(ctx) -> tuple[torch.device, torch.dtype]:
+    """Where and in what the HF peers run: the candidate's device; fp32 on the CPU, the candidate's dtype on a GPU."""
+    dev = torch.device(getattr(ctx.engine, "device", "cpu")) if ctx.engine is not None else torch.device("cpu")
+    if dev.type == "cpu":
+        return dev, torch.float32
+    return dev, _GPU_DTYPES.get(ctx.dtype, torch.bfloat16)
 
 
 def shared_hf(ctx) -> object:
     """One HF copy of the target for all the hf peers of a run."""
     if "hf_target" not in ctx.shared:
-        ctx.shared["hf_target"] = load_hf_fp32(ctx.model)
+        ctx.shared["hf_target"] = load_hf_fp32(ctx.model, *hf_placement(ctx))
     return ctx.shared["hf_target"]
 
 
@@ -79,20 +92,27 @@ class _HFPeer(Peer):
 
     @property
     def label(self) -> str:
-        return f"{self.name} (fp32)"
+        dev, dt = hf_placement(self.ctx)
+        name = {v: k for k, v in _GPU_DTYPES.items()}[dt]
+        return f"{self.name} ({name}" + ("" if dev.type == "cpu" else f", {dev}") + ")"
 
     def generate_kwargs(self) -> dict:
         return {}
 
     @torch.inference_mode()
     def run(self, ids, max_tokens):
-        x = torch.tensor([ids])
+        dev = self.model.device
+        x = torch.tensor([ids], device=dev)
         before = self.passes.n
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
         out = self.model.generate(
             x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
             eos_token_id=self.eos, pad_token_id=self.eos[0] if self.eos else None, **self.generate_kwargs(),
         )
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
         seconds = time.perf_counter() - t0
         return PeerRun(out[0, len(ids):].tolist(), seconds, self.passes.n - before,
                        prefill_pass=not self.generate_kwargs())
@@ -120,7 +140,7 @@ class HFAssisted(_HFPeer):
         if not ctx.draft_model:
             raise SpecloomError(_NEED_DRAFT)
         super().__init__(ctx)
-        self.assistant = load_hf_fp32(ctx.draft_model)
+        self.assistant = load_hf_fp32(ctx.draft_model, *hf_placement(ctx))
         vt, vd = self.model.config.get_text_config().vocab_size, self.assistant.config.get_text_config().vocab_size
         if vt != vd:
             raise SpecloomError(f"--baseline hf-assisted: the draft model {ctx.draft_model} has another vocabulary "

@@ -196,6 +196,9 @@ class _BlockTrainer(_Base):
             metrics["in_top_k"] = float(shard_mean((cand == tgt.argmax(-1, keepdim=True)).any(-1)[:, 0].float(), n))
         for j in range(S):
             metrics[f"acc{j}"] = float(shard_mean(agree[:, j].float(), n))
+        # a greedy chain's accepted length: the block's slots hold (given the anchor) until the first miss, plus the
+        # target's own token -- the held-out figure the losses are compared on
+        metrics["tau"] = 1.0 + float(shard_mean(agree.long().cumprod(-1).sum(-1).float(), n))
         if m.has_confidence:
             with torch.no_grad():
                 target_c = 1 - 0.5 * (torch.softmax(logits.float(), -1) - torch.softmax(tgt, -1)).abs().sum(-1)
