@@ -89,3 +89,23 @@ def test_plot_acceptance(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SpecloomError, match="not a specloom bench report"):
         plot_acceptance([str(tmp_path / "bad.json")], str(out))
+
+
+def test_compare_fixed_and_auto_in_one_run(tiny, prompts_file, tmp_path):
+    """`--compare` candidates may each carry their own speculation mode: fixed and auto of one drafter in one run,
+    each reported with its mode, both identical to plain decoding (fp32 greedy)."""
+    from specloom.bench.multi import run_compare
+
+    t = tiny("llama")
+    out = tmp_path / "compare.json"
+    cands = {"ngram fixed": {"method": "ngram", "num_speculative_tokens": 3, "speculation": "fixed"},
+             "ngram auto": {"method": "ngram", "num_speculative_tokens": 3}}
+    run_compare(t.path, str(prompts_file), cands, limit=3, max_tokens=8, dtype="fp32", json_out=str(out),
+                progress=False, speculation="auto")
+    saved = json.loads(out.read_text())["candidates"]
+    assert saved["ngram fixed"]["speculation"] == "fixed" and saved["ngram auto"]["speculation"] == "auto"
+    assert "speculation" not in saved["ngram fixed"]["speculative_config"]
+    assert all(c["identical_outputs"] == 3 for c in saved.values())
+    with pytest.raises(SpecloomError, match="speculation 'sometimes'"):
+        run_compare(t.path, str(prompts_file), {"x": {"method": "ngram", "speculation": "sometimes"}}, limit=1,
+                    max_tokens=4, dtype="fp32", progress=False)

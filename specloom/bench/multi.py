@@ -64,6 +64,17 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
                 linear_kernel: str = "auto", kv_dtype=None) -> dict:
     if not isinstance(candidates, dict) or not candidates:
         raise SpecloomError('--compare needs a JSON object {"name": {speculative config}, ...}')
+    # a candidate may carry its own "speculation" (auto / fixed / off): a bench key, not a speculative-config one,
+    # so that fixed and auto depths of one drafter are measured in the same run
+    modes = {}
+    for name, spec in candidates.items():
+        if isinstance(spec, dict) and "speculation" in spec:
+            spec = dict(spec)
+            modes[name] = spec.pop("speculation")
+            if modes[name] not in ("auto", "fixed", "off"):
+                raise SpecloomError(f'--compare: candidate {name!r} has speculation {modes[name]!r}; use "auto", '
+                                    '"fixed" or "off"')
+            candidates = {**candidates, name: spec}
     specs = {name: SpeculativeConfig.parse(spec) for name, spec in candidates.items()}
     rows = read_prompts(prompts, limit, per_category, categories)
     plain_engine = load(model, dtype=dtype, progress=progress, device=device, linear_kernel=linear_kernel,
@@ -75,7 +86,8 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
     engines = {}
     for name, spec in specs.items():
         DRAFTERS[spec.method].check(spec, m.config)
-        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len, speculation=speculation,
+        engines[name] = EngineRunner(Engine(m, tok, spec, plain_engine.max_model_len,
+                                            speculation=modes.get(name, speculation),
                                             kv_dtype=plain_engine.kv_dtype), name)
     memory = {name: r.engine.drafter.memory() for name, r in engines.items()}
     base = EngineRunner(plain_engine, "plain")
@@ -114,6 +126,7 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
         cats = sorted({r["category"] for r in rs if r["category"]})
         report["candidates"][name] = {
             "speculative_config": {k: v for k, v in specs[name].__dict__.items() if v is not None},
+            "speculation": modes.get(name, speculation),
             "drafter_memory_bytes": memory[name],
             **_summary(rs),
             "per_category": {c: _summary([r for r in rs if r["category"] == c]) for c in cats},
