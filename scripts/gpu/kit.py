@@ -129,12 +129,18 @@ def is_slimmed(repo: Path) -> bool:
     return not tracked
 
 
+def _exclude_file(repo: Path) -> Path:
+    """The repository's info/exclude (a worktree's `.git` is a file naming the real git directory)."""
+    p = Path(_git(repo, "rev-parse", "--git-path", "info/exclude").strip())
+    return p if p.is_absolute() else repo / p
+
+
 def slim(repo: Path) -> None:
     if is_slimmed(repo):
         print("already slimmed")
         return
     _git(repo, "rm", "-r", "-q", "--cached", "--", *[s for s in SLIM if (repo / s).exists()])
-    excl = repo / ".git" / "info" / "exclude"
+    excl = _exclude_file(repo)
     excl.parent.mkdir(parents=True, exist_ok=True)
     text = excl.read_text() if excl.exists() else ""
     if EXCLUDE_MARK not in text:
@@ -148,7 +154,7 @@ def slim(repo: Path) -> None:
 
 def unslim(repo: Path) -> None:
     _git(repo, "reset", "-q", "--", *SLIM)
-    excl = repo / ".git" / "info" / "exclude"
+    excl = _exclude_file(repo)
     if excl.exists():
         lines, out, inside = excl.read_text().splitlines(keepends=True), [], False
         for line in lines:
@@ -529,7 +535,8 @@ def main(argv=None):
             stash(run_dir, store)
         elif not (store / "plan.json").exists():
             sys.exit(f"kit: {run_dir} was not carried and nothing is stashed (carry [\".gpukit/run{a.n}\"])")
-        for k, v in assemble(store, Path(a.site), Path.cwd()).items():
+        install = not os.environ.get("SPECLOOM_KIT_NO_INSTALL")  # a CPU rehearsal of remote.sh sets it
+        for k, v in assemble(store, Path(a.site), Path.cwd(), install=install).items():
             print(f"kit: {k}: {v}")
     elif a.cmd == "job":
         print(job_for(Path(a.store), a.n))
