@@ -175,7 +175,7 @@ class _BlockTrainer(_Base):
                 bj, state = m.markov_bias(prev[:, j], hs[:, j], state)
                 bias.append(bj)
             logits = logits + torch.stack(bias, 1)
-        if getattr(self.args, "slot_weights", "decay") == "dpace":  # the accepted tokens each slot leads to
+        if getattr(self.args, "slot_weights", "dpace") == "dpace":  # the accepted tokens each slot leads to
             w = dpace_weights(logits.detach(), tgt)  # (N, S)
         else:
             w = torch.tensor([math.exp(-j / DECAY) for j in range(S)], device=dev).expand(logits.shape[0], S)
@@ -305,9 +305,10 @@ def add_arguments(t) -> None:
     option(t, "--num-anchors", type=positive_int, default=32,
            help="dflash, dspark: blocks (anchors) trained per sequence and batch")
     option(t, "--markov-rank", type=int, default=32, help="dspark: Markov head rank (0 = none)")
-    option(t, "--slot-weights", choices=("decay", "dpace"), default="decay",
-           help="dflash, dflash2, dspark: per-slot loss weights: exp(-(k-1)/4) (default) or D-PACE (the expected "
-                "accepted tokens each slot leads to, from the drafter's current acceptance)")
+    option(t, "--slot-weights", choices=("decay", "dpace"), default="dpace",
+           help="dflash, dflash2, dspark: per-slot loss weights: D-PACE (default: the expected accepted tokens each "
+                "slot leads to, from the drafter's current acceptance; won on the held-out split, BENCHMARKS.md) or "
+                "exp(-(k-1)/4)")
     option(t, "--block-loss", choices=("ce", "dspark"), default="ce",
            help="dflash, dflash2, dspark: soft cross-entropy (default) or DSpark's 0.1 CE + 0.9 total variation")
     option(t, "--conv-kernel-size", type=positive_int, default=2, help="dflash2: taps of the dynamic causal conv")
