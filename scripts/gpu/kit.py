@@ -233,10 +233,6 @@ def _dir_item(repo: Path, name: str, rel: str, store: str) -> Item:
     return Item(name, [(p, f"{store}/{p.relative_to(d).as_posix()}") for p in files])
 
 
-def _item_size(it: Item) -> int:
-    return it.reserve or it.size
-
-
 def plan(repo: Path, its: list[Item], limit: int = LIMIT) -> dict:
     """Pack the items, in order, into runs of at most `limit` bytes each beside the slimmed tree; the split item
     fills whatever a run has left. Each job goes to the first run after which everything it needs is on the
@@ -247,7 +243,7 @@ def plan(repo: Path, its: list[Item], limit: int = LIMIT) -> dict:
         sys.exit(f"kit: the slimmed tree alone is {tree / MiB:.1f} MiB; too little is left of {limit / MiB:.0f} MiB")
     runs = [Run(1)]
     for it in its:
-        size = _item_size(it)
+        size = it.reserve or it.size
         if not it.split:
             if size > budget:
                 sys.exit(f"kit: {it.name} ({size / MiB:.1f} MiB) cannot travel in one call ({budget / MiB:.1f} MiB "
@@ -291,17 +287,11 @@ def plan(repo: Path, its: list[Item], limit: int = LIMIT) -> dict:
                      for r in runs]}
 
 
-def sha256_file(p: Path, offset: int = 0, length: int | None = None) -> str:
+def sha256_file(p: Path) -> str:
     h = hashlib.sha256()
     with open(p, "rb") as f:
-        f.seek(offset)
-        left = length if length is not None else (1 << 62)
-        while left > 0:
-            b = f.read(min(left, 1 << 20))
-            if not b:
-                break
+        while b := f.read(1 << 20):
             h.update(b)
-            left -= len(b)
     return h.hexdigest()
 
 

@@ -66,16 +66,15 @@ def run_compare(model: str, prompts: str, candidates: dict, limit=None, per_cate
         raise SpecloomError('--compare needs a JSON object {"name": {speculative config}, ...}')
     # a candidate may carry its own "speculation" (auto / fixed / off): a bench key, not a speculative-config one,
     # so that fixed and auto depths of one drafter are measured in the same run
-    modes = {}
+    modes, specs = {}, {}
     for name, spec in candidates.items():
         if isinstance(spec, dict) and "speculation" in spec:
-            spec = dict(spec)
-            modes[name] = spec.pop("speculation")
+            spec = {k: v for k, v in spec.items() if k != "speculation"}
+            modes[name] = candidates[name]["speculation"]
             if modes[name] not in ("auto", "fixed", "off"):
                 raise SpecloomError(f'--compare: candidate {name!r} has speculation {modes[name]!r}; use "auto", '
                                     '"fixed" or "off"')
-            candidates = {**candidates, name: spec}
-    specs = {name: SpeculativeConfig.parse(spec) for name, spec in candidates.items()}
+        specs[name] = SpeculativeConfig.parse(spec)
     rows = read_prompts(prompts, limit, per_category, categories)
     plain_engine = load(model, dtype=dtype, progress=progress, device=device, linear_kernel=linear_kernel,
                         kv_dtype=kv_dtype)

@@ -37,7 +37,7 @@ def _transformers(model: str | None = None):
     return transformers
 
 
-def load_hf_fp32(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_hf(model: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """An HF causal LM (fp32 unless told) from an alias, a .gguf (dequantised by transformers) or an HF
     directory, on `device`."""
     AutoModelForCausalLM = _transformers(model).AutoModelForCausalLM
@@ -64,7 +64,7 @@ def hf_placement(ctx) -> tuple[torch.device, torch.dtype]:
 def shared_hf(ctx) -> object:
     """One HF copy of the target for all the hf peers of a run."""
     if "hf_target" not in ctx.shared:
-        ctx.shared["hf_target"] = load_hf_fp32(ctx.model, *hf_placement(ctx))
+        ctx.shared["hf_target"] = load_hf(ctx.model, *hf_placement(ctx))
     return ctx.shared["hf_target"]
 
 
@@ -140,7 +140,7 @@ class HFAssisted(_HFPeer):
         if not ctx.draft_model:
             raise SpecloomError(_NEED_DRAFT)
         super().__init__(ctx)
-        self.assistant = load_hf_fp32(ctx.draft_model, *hf_placement(ctx))
+        self.assistant = load_hf(ctx.draft_model, *hf_placement(ctx))
         vt, vd = self.model.config.get_text_config().vocab_size, self.assistant.config.get_text_config().vocab_size
         if vt != vd:
             raise SpecloomError(f"--baseline hf-assisted: the draft model {ctx.draft_model} has another vocabulary "
