@@ -117,7 +117,7 @@ def main() -> None:
     except Exception:
         commit = None
     info = {"command": " ".join(["python scripts/choose_eagle_tree.py", *sys.argv[1:]]), "commit": commit,
-            "threads": torch.get_num_threads(), "verify_cost": curve, "costs": shape.costs_dict(costs),
+            "threads": torch.get_num_threads(), "verify_cost": curve.relative(), "costs": shape.costs_dict(costs),
             "positions": len(records) // len(a.widths), "prompts": len(prompts), "chosen": best,
             "best_predicted": table[0], "previous": cur, "top": table[:15], "seconds": round(time.time() - t0, 1)}
     if a.json:

@@ -33,7 +33,7 @@ from .errors import SpecloomError
 from .kv import TREE_SLACK
 from .models import ForwardOutput
 from .results import GenerationResult, Stats, StopChecker, mean_accepted_length
-from .sampling import SamplingParams, coupled_token, sample_token
+from .sampling import SamplingParams, argmax_ids, coupled_token, sample_token
 from .tree import DraftTree
 from .verify import verify
 
@@ -387,7 +387,7 @@ class Stepper:
         results = [None] * n
         plain_greedy = [r.req.params.greedy and r.req.constraint is None and not penalties.active(r.req.params)
                         for r in rows]
-        best = out.logits.argmax(-1).tolist() if sum(plain_greedy) > 1 else None  # one argmax for the step
+        best = argmax_ids(out.logits) if sum(plain_greedy) > 1 else None  # one argmax for the step
         at = [p.span.at(b) for b in range(n)]  # row b's place in the pass
         for b, r in enumerate(rows):
             if r.finish:

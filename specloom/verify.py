@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, coupled_token, probs_from_logits
+from .sampling import SamplingParams, argmax_ids, coupled_token, probs_from_logits
 from .tree import DraftTree
 
 
@@ -89,8 +89,8 @@ def verify(
 def _verify_greedy(tree: DraftTree, logits: torch.Tensor, best: list[int] | None = None) -> VerifyResult:
     if best is None:
         if len(tree) == 1:  # plain decoding: no drafts
-            return VerifyResult([0], [int(logits[0].argmax())], True)
-        best = logits.argmax(-1).tolist()  # one pass over all nodes
+            return VerifyResult([0], [argmax_ids(logits[0])], True)
+        best = argmax_ids(logits)  # one pass over all nodes
     if len(tree) == 1:
         return VerifyResult([0], [best[0]], True)
     node, path = 0, [0]

@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from torch.nn.functional import linear as F_linear
 
 from specloom import Engine
 from specloom.errors import SpecloomError
@@ -128,6 +129,56 @@ def test_repacked_right_exact_weights_and_batch_invariant(type_name):
     y = w(x)
     assert torch.allclose(y.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     _assert_invariant(w, x, y)
+
+
+def test_q8_0_quantisation_is_within_half_a_step():
+    """A dense weight as Q8_0 blocks: each weight within half its block's step d = fp16(max |w| / 127) (plus the
+    fp16 rounding of d), the block's largest weight at code +-127, a zero block all zeros; rows that are not whole
+    blocks are refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 96, generator=g) * torch.logspace(-3, 1, 7)[:, None]
+    w[3, 32:64] = 0
+    blocks = ggml_linear.quantize_q8_0(w)
+    assert blocks.shape == (7, 3 * 34) and blocks.dtype == torch.uint8
+    back = ggml_linear.dequantize(blocks, ggml_linear.KERNEL_TYPES["Q8_0"], 96)
+    d = blocks.view(7, 3, 34)[..., :2].contiguous().view(torch.float16).float()  # (7, 3, 1)
+    err = (back - w).abs().view(7, 3, 32)
+    assert bool((err <= d * 0.5 * (1 + 1e-3) + w.abs().view(7, 3, 32) * 2 ** -10).all())
+    codes = blocks.view(7, 3, 34)[..., 2:].contiguous().view(torch.int8)
+    assert bool((codes.abs().amax(-1)[d[..., 0] > 0] == 127).all())
+    assert torch.equal(back[3, 32:64], torch.zeros(32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ggml_linear.quantize_q8_0(torch.randn(2, 40))
+
+
+@pytest.mark.skipif(not ggml_linear.repacked_path(), reason="this CPU lacks AVX512-BF16: drafters stay bf16")
+def test_drafter_linears_run_q8_0_and_keep_their_weights(monkeypatch):
+    """A bf16 drafter's linears draft from Q8_0 copies (products close to the bf16 ones), while state dicts (export,
+    warm starts) and gradients still see the original weights; SPECLOOM_DRAFTER_Q8=0 keeps them bf16."""
+    from torch import nn
+
+    from specloom.models.cpu_packing import DraftQ8Linear, pack_linears
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 96, bias=True), nn.Linear(96, 40, bias=False), nn.Linear(40, 8)).bfloat16()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    assert pack_linears(net) == 3
+    assert [type(m).__name__ for m in net] == ["DraftQ8Linear", "DraftQ8Linear", "PackedLinear"]  # 40: not blocks
+    assert net.state_dict().keys() == before.keys()
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in before.items())
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        y = net[0](x)
+    ref = F_linear(x.float(), before["0.weight"].float(), before["0.bias"].float())
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), ref, atol=0.02 * ref.abs().max().item())
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    net[0](xg).float().sum().backward()  # a pass that needs gradients runs the original weight
+    F_linear(xr, before["0.weight"], before["0.bias"]).float().sum().backward()
+    assert torch.equal(xg.grad, xr.grad)
+    monkeypatch.setenv("SPECLOOM_DRAFTER_Q8", "0")
+    other = nn.Sequential(nn.Linear(64, 96)).bfloat16()
+    pack_linears(other)
+    assert not isinstance(other[0], DraftQ8Linear)
 
 
 def test_mixed_types_in_one_fused_linear():

@@ -211,7 +211,50 @@ def replace_linears(model: nn.Module, make) -> int:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Give every `nn.Linear` of `model` (dense weights, e.g. a drafter's) the kernel dense weights get
-    (`dense_kernel`): a `PackedLinear` for bf16 on a CPU that supports it. Returns how many were replaced. (A
-    drafter's numerics change only its acceptance, never the output.)"""
-    return replace_linears(model, lambda name, linear: dense_kernel(linear))
+    """Give every `nn.Linear` of a drafter `model` its drafting kernel (`draft_kernel`). Returns how many were
+    replaced. (A drafter's numerics change only its acceptance, never the output.)"""
+    return replace_linears(model, lambda name, linear: draft_kernel(linear))
+
+
+class DraftQ8Linear(nn.Module):
+    """Inference-only stand-in for a drafter's bf16 `nn.Linear`: its weight also held as GGML Q8_0 blocks (one fp16
+    scale per 32 weights, models/ggml_linear.py) and run by the repacked GGML kernel (AMX / AVX512-BF16). A drafting
+    pass reads every drafter weight once and, like a decode step, is bound by those reads: Q8_0 reads 17/32 of
+    bf16's bytes (measured, issue 39: EAGLE-3's drafting 4.1 -> 3.0 ms a step on SmolLM2-135M, acceptance the
+    same). The original weight stays (state dicts, export and warm starts read it); a pass that needs gradients
+    runs it."""
+
+    kernel = "q8_0"
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        from .ggml_linear import KERNEL_TYPES, GGMLLinear, quantize_q8_0
+
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.q8 = GGMLLinear([(quantize_q8_0(linear.weight), KERNEL_TYPES["Q8_0"])], linear.in_features,
+                             torch.bfloat16, None if linear.bias is None else linear.bias.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or (self.weight is not None and self.weight.requires_grad)):
+            return F.linear(x, self.weight, self.bias)
+        return self.q8(x)
+
+
+def q8_drafting_supported(linear: nn.Linear) -> bool:
+    """Whether a drafter linear runs as Q8_0 here: bf16 on a CPU with the repacked GGML path, rows of a multiple of
+    32 weights, and not turned off (`SPECLOOM_DRAFTER_Q8=0` keeps drafters in bf16)."""
+    import os
+
+    if os.environ.get("SPECLOOM_DRAFTER_Q8", "1") == "0" or linear.in_features % 32 \
+            or linear.weight.dtype != torch.bfloat16 or linear.weight.device.type != "cpu":
+        return False
+    from . import ggml_linear
+
+    return ggml_linear.available() and ggml_linear.repacked_path()
+
+
+def draft_kernel(linear: nn.Linear) -> nn.Module:
+    """The kernel a drafter's dense linear runs while drafting: `DraftQ8Linear` where supported (half the bytes),
+    else the kernel dense weights get (`dense_kernel`)."""
+    return DraftQ8Linear(linear) if q8_drafting_supported(linear) else dense_kernel(linear)

@@ -332,6 +332,23 @@ class GGMLLinear(nn.Module):
                 f"{'+'.join(names[t] for t in self.types)}{', repacked' if self.repacked else ''}")
 
 
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """GGML Q8_0 blocks (rows, K / 32 * 34 bytes) of a dense weight (rows, K), K a multiple of 32: per 32 weights
+    one fp16 scale d = max |w| / 127 and the codes round(w / d) (llama.cpp's `quantize_row_q8_0`, ties to even
+    here). A weight of n bytes in bf16 takes 17/32 of them."""
+    n, k = weight.shape
+    if k % 32:
+        raise ValueError(f"Q8_0 needs rows of a multiple of 32 weights, got {k}")
+    b = weight.detach().float().reshape(n, k // 32, 32)
+    d = (b.abs().amax(-1) / 127).half()
+    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(b * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    out = torch.empty(n, k // 32, 34, dtype=torch.uint8)
+    out[..., :2] = d.view(torch.uint8).reshape(n, k // 32, 2)
+    out[..., 2:] = q.view(torch.uint8)
+    return out.reshape(n, k // 32 * 34)
+
+
 class GGMLEmbedding(nn.Module):
     """An `nn.Embedding` stand-in over GGML blocks (one type); rows dequantised as they are looked up."""
 

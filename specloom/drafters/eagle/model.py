@@ -85,14 +85,14 @@ def stacked_kernel(linears) -> nn.Module:
     """Inference only: one kernel for bias-free linears that read the same input, their weights stacked by rows
     (a copy; each output is the same dot product as in its own linear). Kept out of the module tree (state dicts
     and training see only the separate linears); used under inference mode only (`_stacked`)."""
-    from ...models.cpu_packing import dense_kernel
+    from ...models.cpu_packing import draft_kernel
 
     w = torch.cat([lin.weight.detach() for lin in linears])
     stacked = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
     stacked.weight = nn.Parameter(w, requires_grad=False)
-    kernel = dense_kernel(stacked)
-    if kernel is not stacked and torch.is_tensor(getattr(kernel, "packed", None)):
-        kernel.weight = None  # a packed kernel reads only its packed copy
+    kernel = draft_kernel(stacked)
+    if kernel is not stacked and (torch.is_tensor(getattr(kernel, "packed", None)) or hasattr(kernel, "q8")):
+        kernel.weight = None  # a packed (or Q8_0) kernel reads only its own copy
     return kernel
 
 
