@@ -245,6 +245,51 @@ def test_stacked_projections_match_separate(tiny, dtype):
     assert m2.layers[0].mlp.gate_proj.weight.grad is not None
 
 
+@pytest.mark.parametrize("eagle3", [True, False])
+def test_fused_drafter_layer_computes_the_layer(tiny, eagle3, monkeypatch):
+    """Where a bf16 drafter drafts from Q8_0 weights, its layer runs as one C call (the target's decoder-stack
+    kernel with the attention's input given): the same layer as the PyTorch path (whose attention is SDPA's, so
+    close, not bit for bit) on a causal catch-up pass, a decode row and a tree-masked pass; it does run."""
+    from specloom.models import fused_stack, ggml_linear
+
+    if not ggml_linear.repacked_path():
+        pytest.skip("this CPU lacks AVX512-BF16: drafters stay bf16")
+    t = tiny("llama")
+    cfg = eagle_config_for(t.model.config, eagle3, (1, 2, 3) if eagle3 else (t.model.config.num_layers,), 200)
+    m = EagleDraftModel(cfg)
+    init_weights(m, 0, std=0.3)
+    m = m.bfloat16()
+    m.attach_target(t.model)
+    from specloom.models.cpu_packing import pack_linears
+
+    pack_linears(m)
+    m.stack_projections()
+    assert m.__dict__.get("_fused") is not None
+    ran, real = [], fused_stack.run_layer
+    monkeypatch.setattr(fused_stack, "run_layer", lambda *a: ran.append(real(*a)) or ran[-1])
+    g = torch.Generator().manual_seed(1)
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    passes = [(6, None), (1, None), (3, mask)]
+    outs = {}
+    for fused in (True, False):
+        if not fused:
+            m.__dict__["_fused"] = None
+        kv, pos, outs[fused] = m.new_kv(32), 0, []
+        g.manual_seed(1)
+        with torch.inference_mode():
+            for T, am in passes:
+                u = torch.randn(1, T, cfg.hidden_size, generator=g).bfloat16()
+                toks = torch.randint(0, 200, (1, T), generator=g)
+                p = kv.begin([0], [T])
+                outs[fused].append(m(u, toks, torch.arange(pos, pos + T)[None], p, attn_mask=am))
+                kv.commit()
+                pos += T
+    assert len(ran) == 3 and all(r is not None for r in ran)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.shape == b.shape and a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.05, atol=0.05 * b.abs().max().item())
+
+
 # -- the tree-shape replay (shape.py) prices shapes exactly as the drafter builds them --------------------------
 def _walk(tree, truth):
     """Drafts of `tree` greedy verification accepts when the target continues with `truth`."""

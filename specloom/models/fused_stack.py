@@ -46,10 +46,11 @@ class _Pass(ctypes.Structure):
     _fields_ = [("B", L), ("T", L), ("Hd", L), ("H", L), ("Hkv", L), ("D", L), ("I", L), ("eps", F), ("scale", F),
                 ("k", P), ("v", P), ("kv_bf16", I), ("lstride", L), ("rstride", L), ("smax", L), ("start", L),
                 ("S", L), ("cos", P), ("sin", P), ("mask", P), ("msb", L), ("mst", L), ("chunk", I),
-                ("threads", I), ("force_avx2", I), ("prof", P)]
+                ("threads", I), ("force_avx2", I), ("prof", P), ("ain", P), ("ain_k", L)]
 
 
-_state: dict = {}
+_state: dict = {}  # the kernel (load_kernel's: "fn" or "why")
+_ops_state: dict = {}  # the op table (apart: load_kernel reads any entry in its dict as "already loaded")
 PROFILE: list | None = None  # a list of 3 floats: seconds spent in the stack's linears, attention, whole calls
 _prof = (ctypes.c_double * 3)()
 
@@ -65,15 +66,15 @@ def _addr(fn) -> int | None:
 
 
 def _ops() -> _Ops | None:
-    if "ops" not in _state:
+    if "ops" not in _ops_state:
         v = ggml_linear._vfns()
         norm, rope, silu = layer_ops._fns()
         ew = layer_ops.elementwise() or {}
         fns = dict(vlinear=_addr(v["ggml_vlinear"]) if v else None, blinear=_addr(ggml_linear._load()),
                    norm=_addr(norm), rope=_addr(rope), silu_mul=_addr(silu), attend=_addr(invariant_attention._load()),
                    add=_addr(ew.get("add_bf16")), narrow=_addr(ew.get("f32_to_bf16")), widen=_addr(ew.get("bf16_to_f32")))
-        _state["ops"] = None if any(a is None for k, a in fns.items() if k != "vlinear") else _Ops(**fns)
-    return _state["ops"]
+        _ops_state["ops"] = None if any(a is None for k, a in fns.items() if k != "vlinear") else _Ops(**fns)
+    return _ops_state["ops"]
 
 
 def _lin(m, dtype: torch.dtype, keep: list) -> _Lin | None:
@@ -115,38 +116,60 @@ def _norm_key(norm_ws: list) -> tuple:
 
 
 class _Stack:
+    """The C description of a run of decoder layers (`layers`, a `_Layer` array) and the shapes they share; `ok`
+    False where some layer cannot run fused."""
+
     def __init__(self, model):
         self.epoch, self.keep, self.ok, self.norm_ws, self.norm_key = _epoch[0], [], False, [], ()
         c = model.config
-        if not getattr(model.block_cls, "fused_stack", False) or model.layer_kinds != {"full"} \
-                or not invariant_attention.supports(c.head_dim) or c.head_dim > 16384:
+        if not getattr(model.block_cls, "fused_stack", False) or model.layer_kinds != {"full"}:
             return
-        self.norm_ws = [n.weight for layer in model.layers for n in (layer.input_layernorm,
-                                                                      layer.post_attention_layernorm)]
-        self.norm_key = _norm_key(self.norm_ws)
-        layers, dtype = (_Layer * len(model.layers))(), model.dtype
-        eps, scale, inter = set(), set(), set()
-        for i, layer in enumerate(model.layers):
+        parts = []
+        for layer in model.layers:
             at, mlp = layer.self_attn, layer.mlp
             if at.q_norm is not None or at.kind != "full" or getattr(mlp, "act", None) is not torch.nn.functional.silu:
                 return
-            lins = [_lin(m, dtype, self.keep) for m in (at.qkv_proj, at.o_proj, getattr(mlp, "gate_up_proj", None),
-                                                        getattr(mlp, "down_proj", None))]
+            parts.append((layer.input_layernorm, layer.post_attention_layernorm, at.qkv_proj, at.o_proj,
+                          getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None), at.scale,
+                          mlp.intermediate))
+        self._build(parts, model.dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size)
+
+    def _build(self, parts: list, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, hidden: int) -> None:
+        """parts: per layer (norm1, norm2, qkv, o, gate_up, down, attention scale, intermediate size)."""
+        if not invariant_attention.supports(head_dim) or head_dim > 16384:
+            return
+        self.norm_ws = [n.weight for part in parts for n in part[:2]]
+        self.norm_key = _norm_key(self.norm_ws)
+        layers = (_Layer * len(parts))()
+        eps, scale, inter = set(), set(), set()
+        for i, (n1, n2, qkv, o, gu, down, sc, it) in enumerate(parts):
+            lins = [_lin(m, dtype, self.keep) for m in (qkv, o, gu, down)]
             if any(d is None for d in lins):
                 return
             layers[i].qkv, layers[i].o, layers[i].gu, layers[i].down = lins
-            for j, norm in enumerate((layer.input_layernorm, layer.post_attention_layernorm)):
+            for j, norm in enumerate((n1, n2)):
                 w = norm._w32()
                 self.keep.append(w)
                 setattr(layers[i], f"norm{j + 1}", w.data_ptr())
                 eps.add(norm.eps)
-            scale.add(at.scale)
-            inter.add(mlp.intermediate)
+            scale.add(sc)
+            inter.add(it)
         if len(eps) != 1 or len(scale) != 1 or len(inter) != 1:
             return
         self.layers, self.eps, self.scale, self.inter = layers, eps.pop(), scale.pop(), inter.pop()
-        self.heads, self.kv_heads, self.head_dim, self.hidden = c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size
+        self.heads, self.kv_heads, self.head_dim, self.hidden = heads, kv_heads, head_dim, hidden
         self.ok = True
+
+
+class DrafterLayer(_Stack):
+    """One drafter decoder layer shaped like a Llama layer whose attention reads its own input (an EAGLE layer:
+    `run(..., ain=...)`): the norm before attention is the caller's, `norm2` the one before the MLP; linears
+    held as GGML weights (a drafter's `DraftQ8Linear`s, cpu_packing.py)."""
+
+    def __init__(self, norm2, qkv, o, gate_up, down, scale: float, inter: int, dtype: torch.dtype, heads: int,
+                 kv_heads: int, head_dim: int, hidden: int):
+        self.epoch, self.keep, self.ok, self.norm_ws, self.norm_key = _epoch[0], [], False, [], ()
+        self._build([(norm2, norm2, qkv, o, gate_up, down, scale, inter)], dtype, heads, kv_heads, head_dim, hidden)
 
 
 def _stack(model) -> _Stack | None:
@@ -162,23 +185,46 @@ def _stack(model) -> _Stack | None:
 def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, dict] | None:
     """x (B, T, H) the embedding output -> (the last layer's output, {stop: the output of layer stop - 1}) for the
     capture ids `stops` (0 < stop < L); None where the pass or the model does not allow it."""
-    kvp = ctx.kv
-    if not ctx.invariant or not layer_ops.usable(x) or not getattr(kvp, "uniform", False):
+    if not ctx.invariant or "full" not in ctx.cos_sin or "sliding" in ctx.cos_sin:  # every layer full attention
         return None
+    cos, sin = ctx.cos_sin["full"]
+    st = _stack(model) if _usable(x, ctx.kv, cos, sin, model.config.head_dim) else None
+    if st is None:
+        return None
+    return _call(st, x, ctx, cos, sin, stops, len(model.layers))
+
+
+def run_layer(layer: DrafterLayer | None, u: torch.Tensor, ain: torch.Tensor, ctx, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor | None:
+    """A drafter layer's pass in one C call: u (B, T, H) the residual stream, ain (B, T, K) bf16 its attention's
+    input; returns the layer's output (B, T, H), or None where the layer or the pass does not allow it."""
+    if layer is None or not layer.ok or _kernel() is None or _ops() is None or ain.dtype != torch.bfloat16 \
+            or not _usable(u, ctx.kv, cos, sin, layer.head_dim) or layer.epoch != _epoch[0] \
+            or layer.norm_key != _norm_key(layer.norm_ws):
+        return None
+    a = ain.contiguous()
+    out, _ = _call(layer, u, ctx, cos, sin, [], 1, (a.data_ptr(), a.shape[-1]))
+    return out
+
+
+def _usable(x: torch.Tensor, kvp, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> bool:
+    """Whether a pass can run in C: bf16 activations outside autograd, an unquantized contiguous fp32/bf16 KV store
+    written at one start slot for all rows, bf16 RoPE tables for exactly the pass's rows."""
+    if not layer_ops.usable(x) or not getattr(kvp, "uniform", False):
+        return False
     store = kvp.kv
     if store.k_scale is not None or store.k.dtype not in (torch.float32, torch.bfloat16) \
             or not store.k.is_contiguous() or not store.v.is_contiguous():
-        return None
-    if "full" not in ctx.cos_sin or "sliding" in ctx.cos_sin:  # every layer full attention (no sliding window)
-        return None
-    cos, sin = ctx.cos_sin["full"]
+        return False
     B, T, _ = x.shape
-    if (B, T) != (kvp.n, kvp.T) or cos.dtype != torch.bfloat16 or not cos.is_contiguous() \
-            or not sin.is_contiguous() or cos.numel() != B * T * model.config.head_dim:
-        return None
-    st = _stack(model)
-    if st is None:
-        return None
+    return (B, T) == (kvp.n, kvp.T) and cos.dtype == torch.bfloat16 and cos.is_contiguous() \
+        and sin.is_contiguous() and cos.numel() == B * T * head_dim
+
+
+def _call(st: _Stack, x: torch.Tensor, ctx, cos, sin, stops: list[int], n_layers: int, ain=None):
+    kvp = ctx.kv
+    store = kvp.kv
+    B, T, _ = x.shape
     mask = ctx.masks.get("full")
     _, R, Hkv, smax, D = store.k.shape
     es = store.k.element_size()
@@ -186,6 +232,8 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
               scale=st.scale, kv_bf16=int(store.k.dtype == torch.bfloat16), lstride=R * Hkv * smax * D,
               rstride=Hkv * smax * D, smax=smax, start=kvp.start, S=kvp.S, cos=cos.data_ptr(), sin=sin.data_ptr(),
               threads=torch.get_num_threads(), force_avx2=int(ggml_linear.FORCE_AVX2))
+    if ain is not None:
+        p.ain, p.ain_k = ain
     r0 = kvp.rows[0]
     p.k = store.k.data_ptr() + r0 * p.rstride * es
     p.v = store.v.data_ptr() + r0 * p.rstride * es
@@ -200,13 +248,13 @@ def run(model, x: torch.Tensor, ctx, stops: list[int]) -> tuple[torch.Tensor, di
         p.prof = ctypes.cast(_prof, P)
     x = x.contiguous().clone()
     hidden, a, fn = {}, 0, _kernel()
-    for b in [s for s in sorted(set(stops)) if 0 < s < len(model.layers)] + [len(model.layers)]:
-        rc = fn(ctypes.byref(_state["ops"]), st.layers, a, b, ctypes.byref(p), x.data_ptr())
+    for b in [s for s in sorted(set(stops)) if 0 < s < n_layers] + [n_layers]:
+        rc = fn(ctypes.byref(_ops_state["ops"]), st.layers, a, b, ctypes.byref(p), x.data_ptr())
         if rc == -2:
             raise MemoryError("decoder stack: could not allocate its buffers")
         if rc != 0:
             raise RuntimeError(f"decoder stack: a kernel failed (code {rc})")
-        if b < len(model.layers):
+        if b < n_layers:
             hidden[b] = x.clone()
         a = b
     if PROFILE is not None:

@@ -25,6 +25,7 @@ from torch import nn
 from ...config import RopeScaling
 from ...kv import KVCache, default_kv_dtype
 from ...models.cpu_packing import compute_dtype
+from ...models import fused_stack
 from ...models.context import attention_context
 from ...models.layers import RMSNorm, Rope, apply_rope
 
@@ -214,6 +215,22 @@ class EagleDraftModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.stack()
             layer.mlp.stack()
+        self.__dict__["_fused"] = self._fused_layer()
+
+    def _fused_layer(self):
+        """The layer as one C call (models/fused_stack.py: the target's decoder-stack kernel, the attention's
+        input given), where its projections draft from GGML weights (`DraftQ8Linear`); else None."""
+        from ...models.cpu_packing import DraftQ8Linear
+        from ...models.fused_stack import DrafterLayer
+
+        layer, c = self.layers[0], self.config
+        at, mlp = layer.self_attn, layer.mlp
+        ks = [at.__dict__.get("_qkv"), at.o_proj, mlp.__dict__.get("_gate_up"), mlp.down_proj]
+        if not all(isinstance(k, DraftQ8Linear) for k in ks):
+            return None
+        fused = DrafterLayer(layer.post_attention_layernorm, *[k.q8 for k in ks], at.scale, c.intermediate_size,
+                             self.dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size)
+        return fused if fused.ok else None
     @property
     def dtype(self):
         return self.layers[0].mlp.down_proj.weight.dtype
@@ -269,6 +286,11 @@ class EagleDraftModel(nn.Module):
         cos, sin = self.rope(positions, u.dtype)
         ctx = attention_context(kvp, positions, attn_mask, {})
         a = layer.attn_input(self.embed(tokens), u) if self.config.eagle3 else u
+        fused = self.__dict__.get("_fused")
+        if fused is not None and torch.is_inference_mode_enabled():  # the layer in one C call where it can run
+            out = fused_stack.run_layer(fused, u, a, ctx, cos, sin)
+            if out is not None:
+                return out
         q, k, v = layer.self_attn.qkv(a, cos, sin)
         keys, values = kvp.write(0, k, v)  # the store converts to its dtype as it copies
         mask = ctx.masks.get("full")

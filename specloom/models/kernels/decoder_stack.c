@@ -6,7 +6,8 @@
  * batch-invariant: decode steps, verification passes and prefill chunks may take either path.
  *
  * Per layer, x [M, Hd] bf16 (M = B * T rows, in place):
- *   h = norm1(x); qkv = h @ Wqkv^T (+ bias); RoPE on q, k; k, v -> the KV store at slots [start, start + T);
+ *   h = norm1(x) (the first layer: the pass's `ain` where given); qkv = h @ Wqkv^T (+ bias); RoPE on q, k;
+ *   k, v -> the KV store at slots [start, start + T);
  *   a = bf16(attention(fp32 q, keys, values, mask)); o = a @ Wo^T (+ bias); x = bf16(x + o); h = norm2(x);
  *   gu = h @ Wgu^T; s = silu_mul(gate, up); x = bf16(x + s @ Wdown^T).
  */
@@ -73,6 +74,9 @@ typedef struct {  /* the pass: shapes, the KV store, RoPE tables, mask */
     const uint8_t *mask; int64_t msb, mst;  /* (B, T, S) or NULL (causal over the pass's last T slots) */
     int chunk, threads, force_avx2;
     double *prof;  /* NULL, or [3]: seconds added up in the linears, in attention, in the whole call */
+    const uint16_t *ain;  /* NULL, or the first layer's attention input [M, ain_k] bf16 in place of norm1(x): an
+                             EAGLE drafter layer reads cat[norm(embedding), norm(u)] with u (= x) the residual */
+    int64_t ain_k;
 } pass_t;
 
 /* y [M, out] bf16 = x [M, K] @ W^T (+ bias): each run into its columns, as GGMLLinear.forward does. */
@@ -115,8 +119,13 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
     double t0 = p->prof ? now() : 0, ta = 0;
     for (int l = l0; l < l1 && !rc; l++) {
         const layer_t *L = layers + l;
-        if ((rc = op->norm(x, NULL, NULL, h, L->norm1, M, Hd, p->eps))) break;
-        if ((rc = linear(op, &L->qkv, h, M, Hd, qkv, p))) break;
+        const uint16_t *qin = h;
+        int64_t kq = Hd;
+        if (p->ain && l == l0) {
+            qin = p->ain;
+            kq = p->ain_k;
+        } else if ((rc = op->norm(x, NULL, NULL, h, L->norm1, M, Hd, p->eps))) break;
+        if ((rc = linear(op, &L->qkv, qin, M, kq, qkv, p))) break;
         if ((rc = op->rope(qkv, M, nqkv, H + Hkv, D, p->cos, p->sin))) break;
         char *kl = (char *)p->k + (size_t)l * p->lstride * es, *vl = (char *)p->v + (size_t)l * p->lstride * es;
         for (int64_t b = 0; b < p->B; b++)
