@@ -25,6 +25,7 @@ import torch
 
 from ...config_fields import int_field, sub_dict
 from ...errors import SpecloomError
+from ...models.cpu_packing import pack_linears
 from ..base import export_form
 from ..checkpoint import _load_json, add_to_target_checkpoint, check_target, find_builtin_dir, read_prefixed, take
 from .model import MTPModel
@@ -131,6 +132,7 @@ def load_mtp(path: str, target, tokenizer=None) -> tuple[MTPModel, dict]:
     model.load_state_dict(state)
     model.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
     model.attach_target(target)
+    pack_linears(model)  # its own linears in the drafting kernel (the head is the target's)
     if tokenizer is not None:
         check_target(meta, target, tokenizer, path)
     return model, meta
