@@ -181,6 +181,22 @@ def test_drafter_linears_run_q8_0_and_keep_their_weights(monkeypatch):
     assert not isinstance(other[0], DraftQ8Linear)
 
 
+def test_dense_state_of_a_held_layer_and_mtp_warm_start(kinds):
+    """A layer held as GGML blocks has no weights in its state dict; `dense_state` gives them (dequantised), and
+    MTP's warm start from the target's last layer works on such a target (it raised before)."""
+    from specloom.drafters.mtp.model import MTPModel, init_mtp
+
+    model = as_shipped(kinds[0].model)
+    layer = model.layers[-1]
+    assert "self_attn.qkv_proj.weight" not in layer.state_dict()
+    sd = ggml_linear.dense_state(layer)
+    assert set(sd) == set(kinds[0].model.layers[-1].state_dict())
+    assert torch.equal(sd["mlp.down_proj.weight"], layer.mlp.down_proj.weight)
+    mtp = MTPModel(model.config, 1)
+    init_mtp(mtp, model)
+    assert torch.equal(mtp.layers[0].block.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.weight.float())
+
+
 def test_mixed_types_in_one_fused_linear():
     """Gemma's q and k are Q5_0 where v is Q8_0: one linear over both, each segment its own type."""
     k = 256

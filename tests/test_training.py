@@ -166,6 +166,24 @@ def test_corrupt_and_wrong_kind_checkpoints(dataset, tmp_path, capsys):
     _ = torch  # (imported for fixtures' dtype use)
 
 
+def test_train_mtp_init_from(dataset):
+    """`train mtp --init-from` starts from an MTP checkpoint (it had no loader for its own kind before): with a
+    learning rate of ~0 the saved layers are the checkpoint's."""
+    from specloom.drafters.mtp.format import load_mtp
+
+    t, data, root = dataset
+    first = str(root / "mtp_first")
+    _train(t, data, first, "mtp", "--mtp-layers", "1")
+    again = str(root / "mtp_again")
+    assert main(["train", "mtp", "--target", t.path, "--data", data, "--out", again, "--steps", "2", "--lr", "1e-12",
+                 "--tokens-per-batch", "256", "--warmup", "1", "--loss-fraction", "1.0", "--mtp-layers", "1",
+                 "--init-from", first]) == 0
+    a, _ = load_mtp(first, t.model)
+    b, _ = load_mtp(again, t.model)
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x.float(), y.float(), rtol=1e-2, atol=1e-3, msg=k)
+
+
 def test_train_mtp_into_a_target_copy_and_target_with_mtp(dataset):
     """`train mtp --target-copy` writes a HF copy of the target with the MTP layers inside (found by
     `method: "mtp"` alone); `train target --mtp 2` trains a new small model jointly with its MTP layers."""

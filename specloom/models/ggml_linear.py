@@ -374,6 +374,19 @@ class GGMLEmbedding(nn.Module):
         return GGMLLinear([self.w], self.embedding_dim, self.dtype)
 
 
+def dense_state(module: nn.Module) -> dict:
+    """`module.state_dict()` with the weights it holds as GGML blocks included, dequantised (a held module keeps
+    its blocks in non-persistent buffers, so a state dict lacks them): what a trainer copies from the target."""
+    out = dict(module.state_dict())
+    for name, m in module.named_modules():
+        if isinstance(m, (GGMLLinear, GGMLEmbedding)):
+            prefix = f"{name}." if name else ""
+            out[prefix + "weight"] = m.weight
+            if getattr(m, "bias", None) is not None:
+                out[prefix + "bias"] = m.bias
+    return out
+
+
 def held_modules(model: nn.Module) -> list[nn.Module]:
     """The model's modules that compute from GGML blocks."""
     return [m for m in model.modules() if isinstance(m, (GGMLLinear, GGMLEmbedding))]

@@ -26,7 +26,9 @@ class DraftModelTrainer(_Base):
         self.feature_ids = (self.L,)
         n = args.draft_layers or 2
         cfg = dataclasses.replace(target.config, num_layers=n)
-        sd = {k: v.detach().float().clone() for k, v in target.state_dict().items()
+        from ...models.ggml_linear import dense_state
+
+        sd = {k: v.detach().float().clone() for k, v in dense_state(target).items()
               if not k.startswith("layers.") or int(k.split(".")[1]) < n}
         sd.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
         self.model = build_model(cfg, sd)

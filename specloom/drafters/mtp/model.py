@@ -137,7 +137,9 @@ def init_mtp(model: MTPModel, target=None, seed: int = 0, std: float = 0.02) -> 
             else:
                 p.zero_()
     if target is not None:
-        last = target.layers[-1].state_dict()
+        from ...models.ggml_linear import dense_state
+
+        last = dense_state(target.layers[-1])  # a target held as GGUF blocks: its weights dequantised
         for layer in model.layers:
             layer.block.load_state_dict({k: v.float() for k, v in last.items()})
             layer.shared_head.norm.weight.data.copy_(target.norm.weight.float())

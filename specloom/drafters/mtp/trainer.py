@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 
 from ...training.common import _Base, _sample_rows, _shift, _soft_ce, save_hf_llama
+from ...errors import SpecloomError
 from ..base import trainer
 from ...training.distributed import shard_mean, total_rows
 
@@ -46,6 +47,18 @@ class MTPTrainer(_Base):
             total = total + (0.8 ** i) * shard_mean(_soft_ce(logits, tgt), n)
             metrics[f"acc{i}"] = float(shard_mean((logits.argmax(-1) == tgt.argmax(-1)).float(), n))
         return total, metrics
+
+    def init_from(self, path: str) -> None:
+        """Start from an MTP checkpoint (an overlay directory or a target with its MTP layers): every module it
+        has, copied in fp32 (a checkpoint with fewer modules leaves the rest as initialised)."""
+        from .format import find_mtp_dir, load_mtp
+
+        src, _ = load_mtp(find_mtp_dir(path, self.target.config), self.target)
+        own = self.model.state_dict()
+        theirs = {k: v for k, v in src.state_dict().items() if k in own}
+        if not theirs:
+            raise SpecloomError(f"--init-from {path}: no MTP layer of it fits this model")
+        self.model.load_state_dict({k: v.float() for k, v in theirs.items()}, strict=False)
 
     def target_logits(self, h, rows=None):
         return self.target.logits(h.to(self.head_w.dtype))
