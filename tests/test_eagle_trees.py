@@ -265,6 +265,7 @@ def test_fused_drafter_layer_computes_the_layer(tiny, eagle3, monkeypatch):
     pack_linears(m)
     m.stack_projections()
     assert m.__dict__.get("_fused") is not None
+    torch.nn.Linear(4, 4)  # a weight registered anywhere else must not turn the fused layer off (it once did)
     ran, real = [], fused_stack.run_layer
     monkeypatch.setattr(fused_stack, "run_layer", lambda *a: ran.append(real(*a)) or ran[-1])
     g = torch.Generator().manual_seed(1)

@@ -164,11 +164,13 @@ class _Stack:
 class DrafterLayer(_Stack):
     """One drafter decoder layer shaped like a Llama layer whose attention reads its own input (an EAGLE layer:
     `run(..., ain=...)`): the norm before attention is the caller's, `norm2` the one before the MLP; linears
-    held as GGML weights (a drafter's `DraftQ8Linear`s, cpu_packing.py)."""
+    held as GGML weights (a drafter's `DraftQ8Linear`s, cpu_packing.py). It keeps those modules alive itself, so,
+    unlike a target's stack, it does not go stale when some other module anywhere registers a weight (`_epoch`);
+    its owner builds it again when it replaces them (`EagleDraftModel.stack_projections`)."""
 
     def __init__(self, norm2, qkv, o, gate_up, down, scale: float, inter: int, dtype: torch.dtype, heads: int,
                  kv_heads: int, head_dim: int, hidden: int):
-        self.epoch, self.keep, self.ok, self.norm_ws, self.norm_key = _epoch[0], [], False, [], ()
+        self.epoch, self.keep, self.ok, self.norm_ws, self.norm_key = _epoch[0], [qkv, o, gate_up, down], False, [], ()
         self._build([(norm2, norm2, qkv, o, gate_up, down, scale, inter)], dtype, heads, kv_heads, head_dim, hidden)
 
 
@@ -199,8 +201,7 @@ def run_layer(layer: DrafterLayer | None, u: torch.Tensor, ain: torch.Tensor, ct
     """A drafter layer's pass in one C call: u (B, T, H) the residual stream, ain (B, T, K) bf16 its attention's
     input; returns the layer's output (B, T, H), or None where the layer or the pass does not allow it."""
     if layer is None or not layer.ok or _kernel() is None or _ops() is None or ain.dtype != torch.bfloat16 \
-            or not _usable(u, ctx.kv, cos, sin, layer.head_dim) or layer.epoch != _epoch[0] \
-            or layer.norm_key != _norm_key(layer.norm_ws):
+            or not _usable(u, ctx.kv, cos, sin, layer.head_dim) or layer.norm_key != _norm_key(layer.norm_ws):
         return None
     a = ain.contiguous()
     out, _ = _call(layer, u, ctx, cos, sin, [], 1, (a.data_ptr(), a.shape[-1]))
