@@ -15,20 +15,26 @@ from specloom.models import invariant_attention
 TEXT = "The quick brown fox jumps over the lazy dog, then writes a short poem about speculative decoding."
 
 
-def _exact_invariant_kernels():
+def _exact_kernels():
     return [k for k in kernel_probe.exact_candidates(torch.bfloat16, "cpu") if k != "native"] or ["native"]
 
 
 def _load_bf16(alias: str):
-    """The real checkpoint in bf16 on an exact kernel (onednn on a oneDNN-bf16 host, invariant elsewhere), or a
-    skip naming what is missing."""
+    """The real checkpoint in bf16 on the first exact kernel that this host measures batch-invariant (onednn on an
+    AMX host; on an AVX512-BF16 host without AMX oneDNN's bf16 matmul is not, and `invariant` runs), or a skip
+    naming what is missing."""
     if not invariant_attention.available():
         pytest.skip(f"invariant attention unavailable: {invariant_attention.unavailable_reason()}")
     try:
         resolve(alias)
     except SpecloomError as e:
         pytest.skip(f"{alias} not available: {e}")
-    model, tok = load_target(alias, "bf16", progress=False, kernel=_exact_invariant_kernels()[0])
+    plain, _ = load_target(alias, "bf16", progress=False, kernel="native")  # nn.Linears, for the check
+    kernel = next((k for k in _exact_kernels() if kernel_probe.batch_invariant(plain, k)), None)
+    if kernel is None:
+        pytest.skip(f"no exact bf16 kernel is batch-invariant on this host ({', '.join(_exact_kernels())})")
+    del plain
+    model, tok = load_target(alias, "bf16", progress=False, kernel=kernel)
     assert model.uses_invariant_attention()
     return model, tok
 

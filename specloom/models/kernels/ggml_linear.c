@@ -462,10 +462,10 @@ int ggml_rows(const uint8_t *w, int t, int64_t row_bytes, const int64_t *ids, in
  *     X[b]   = the block's sum of x (fp32, in order; a function of the activation row alone)
  *
  * -- the same exact weights (d * code + m), summed in another fixed order. Each (row, output) is computed by the
- * same instructions whatever the other rows of the pass: batch-invariant. A code vector is converted once and used
- * by up to VM activation rows, so a 9-row verification pass costs little more than a decode step.
+ * same instructions whatever the other rows of the pass: batch-invariant. A block's code vectors are converted
+ * once per pass (up to VROWS rows) and used by every row, so a verification pass reads and converts the weights as
+ * often as a decode step does; each further row costs only its dot products.
  */
-#define VM 4
 #ifndef PF
 #define PF 1024  /* bytes of codes prefetched ahead of the dot products */
 #endif
@@ -665,69 +665,98 @@ AVXBF static inline void store_tile(const __m512 *acc, int64_t mt, void *y, int 
     }
 }
 
-/* One tile of 16 weight rows against mt <= VM activation rows; x: bf16 rows (stride K), xs: per-row block sums.
-   Four partial sums per row and block (pair groups taken in turn), added in a fixed order at the block's end: the
-   dot products do not wait on each other, and the order is the same whatever mt is. */
-AVXBF static inline __m512 bcast_pair(const uint16_t *p) {
-    return _mm512_broadcastss_ps(_mm_load_ss((const float *)p));
+/* acc + the dot products of q with a pair of bf16 activations broadcast to every lane: VDPBF16PS with an embedded
+   broadcast ({1to16}) of the pair from memory (the intrinsic's broadcast compiles to a separate instruction, which
+   doubled a verification row's cost on AVX512-BF16 hosts without AMX, measured on an AMD EPYC). */
+AVXBF static inline __m512 dpb_pair(__m512 acc, __m512bh q, const uint16_t *p) {
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const float *)p));
+    return acc;
 }
 
+/* One tile of 16 weight rows against mt <= VROWS activation rows: per block, its code vectors are converted once
+   into registers and every row takes its dot products from them, two rows at a time. Vector j of a block
+   (j < BK/2) holds the codes of the pair group at k0 + 2j and feeds partial sum j & 3; the four partial sums start
+   from zero in each block and are added as (S0 + S1) + (S2 + S3) at its end (the dot products do not wait on each
+   other). Every row is computed by the same operations in the same order whatever mt is: batch-invariant.
+   acc: mt accumulators of this thread. */
 AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8_t *codes, const uint8_t *scales,
                                                               int64_t tile, const uint16_t *x, const float *xs,
                                                               int64_t mt, int64_t K, void *y, int y_bf16,
-                                                              int64_t ldy, int64_t n0, int64_t N) {
-    int BK = vblock(t), nib = nibble_type(t);
+                                                              int64_t ldy, int64_t n0, int64_t N, __m512 *acc) {
+    enum { NQ = 16 };
+    int BK = vblock(t), nib = nibble_type(t), hasm = has_min(t), nq = BK / 2;
     int64_t nbk = K / BK;
-    __m512 acc[VM], S[VM][4], sum[VM];
-    for (int i = 0; i < VM; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const __m512i lut = nib_lut(t), m4 = _mm512_set1_epi16(15);
     for (int64_t b = 0; b < nbk; b++) {
-        for (int i = 0; i < mt; i++) for (int c = 0; c < 4; c++) S[i][c] = _mm512_setzero_ps();
+        __m512bh q[NQ];
         int64_t k0 = b * BK;
         if (nib) {
-            for (int64_t k = k0, g = 0; k < k0 + BK; k += 4, g ^= 2) {
-                const uint8_t *cp = codes + (tile * (K / 4) + k / 4) * 32;
-                if (!(k & 4)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+            for (int j = 0; j < NQ; j += 2) {
+                const uint8_t *cp = codes + (tile * (K / 4) + (k0 + 2 * j) / 4) * 32;
+                if (!(j & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
                 __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
-                __m512bh qa = nib_bf16(_mm512_and_si512(v, m4), lut);
-                __m512bh qb = nib_bf16(_mm512_srli_epi16(v, 4), lut);
-                for (int i = 0; i < mt; i++) {
-                    const uint16_t *xr = x + i * K + k;
-                    S[i][g] = _mm512_dpbf16_ps(S[i][g], qa, (__m512bh)bcast_pair(xr));
-                    S[i][g + 1] = _mm512_dpbf16_ps(S[i][g + 1], qb, (__m512bh)bcast_pair(xr + 2));
-                }
+                q[j] = nib_bf16(_mm512_and_si512(v, m4), lut);
+                q[j + 1] = nib_bf16(_mm512_srli_epi16(v, 4), lut);
             }
         } else {
-            for (int64_t k = k0, g = 0; k < k0 + BK; k += 2, g = (g + 1) & 3) {
-                const uint8_t *cp = codes + (tile * (K / 2) + k / 2) * 32;
-                if (!(k & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
-                __m512bh q = byte_bf16(cp);
-                for (int i = 0; i < mt; i++)
-                    S[i][g] = _mm512_dpbf16_ps(S[i][g], q, (__m512bh)bcast_pair(x + i * K + k));
+            for (int j = 0; j < NQ; j++) {
+                if (j >= nq) { q[j] = q[0]; continue; }
+                const uint8_t *cp = codes + (tile * (K / 2) + (k0 + 2 * j) / 2) * 32;
+                if (!(j & 1)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
+                q[j] = byte_bf16(cp);
             }
         }
-        for (int i = 0; i < mt; i++)
-            sum[i] = _mm512_add_ps(_mm512_add_ps(S[i][0], S[i][1]), _mm512_add_ps(S[i][2], S[i][3]));
-        block_end(t, scales + (tile * nbk + b) * sblock(t), sum, xs, nbk, b, mt, acc);
+        const uint8_t *sb = scales + (tile * nbk + b) * sblock(t);
+        __m512 d = sload(t, sb, 0), m = hasm ? sload(t, sb, 1) : d;
+        int64_t i = 0;
+        for (; i + 2 <= mt; i += 2) {
+            const uint16_t *x0 = x + i * K + k0, *x1 = x0 + K;
+            __m512 S0[4], S1[4];
+            for (int c = 0; c < 4; c++) { S0[c] = _mm512_setzero_ps(); S1[c] = _mm512_setzero_ps(); }
+            for (int j = 0; j < NQ; j++) {
+                if (j >= nq) break;
+                S0[j & 3] = dpb_pair(S0[j & 3], q[j], x0 + 2 * j);
+                S1[j & 3] = dpb_pair(S1[j & 3], q[j], x1 + 2 * j);
+            }
+            __m512 s0 = _mm512_add_ps(_mm512_add_ps(S0[0], S0[1]), _mm512_add_ps(S0[2], S0[3]));
+            __m512 s1 = _mm512_add_ps(_mm512_add_ps(S1[0], S1[1]), _mm512_add_ps(S1[2], S1[3]));
+            acc[i] = _mm512_fmadd_ps(d, s0, acc[i]);
+            acc[i + 1] = _mm512_fmadd_ps(d, s1, acc[i + 1]);
+            if (hasm) {
+                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+                acc[i + 1] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(i + 1) * nbk + b]), acc[i + 1]);
+            }
+        }
+        for (; i < mt; i++) {
+            const uint16_t *x0 = x + i * K + k0;
+            __m512 S0[4];
+            for (int c = 0; c < 4; c++) S0[c] = _mm512_setzero_ps();
+            for (int j = 0; j < NQ; j++) {
+                if (j >= nq) break;
+                S0[j & 3] = dpb_pair(S0[j & 3], q[j], x0 + 2 * j);
+            }
+            __m512 s0 = _mm512_add_ps(_mm512_add_ps(S0[0], S0[1]), _mm512_add_ps(S0[2], S0[3]));
+            acc[i] = _mm512_fmadd_ps(d, s0, acc[i]);
+            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+        }
     }
     store_tile(acc, mt, y, y_bf16, ldy, n0, N);
 }
 
-/* vtile instantiated per type and per row count (1..VM), so that its partial sums live in registers. */
-#define VT(T, MT) vtile(T, codes, scales, tile, x, xs, MT, K, y, y_bf16, ldy, n0, N)
-#define VTYPE(T) AVXBF static void vtile_##T(const uint8_t *codes, const uint8_t *scales, int64_t tile, const uint16_t *x, \
-                                             const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, \
-                                             int64_t n0, int64_t N) { \
-    switch (mt) { case 1: VT(T, 1); return; case 2: VT(T, 2); return; case 3: VT(T, 3); return; default: VT(T, 4); } }
+#define VROWS 64  /* rows per weight pass of vtile (its accumulators live on the thread's stack) */
+#define VTYPE(T) AVXBF static void vtile_##T(const uint8_t *codes, const uint8_t *scales, int64_t tile, \
+                                              const uint16_t *x, const float *xs, int64_t mt, int64_t K, void *y, \
+                                              int y_bf16, int64_t ldy, int64_t n0, int64_t N, __m512 *acc) { \
+    vtile(T, codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N, acc); }
 VTYPE(Q4_0) VTYPE(Q4_1) VTYPE(Q5_0) VTYPE(Q5_1) VTYPE(Q8_0) VTYPE(Q4_K) VTYPE(Q5_K) VTYPE(Q6_K)
 #undef VTYPE
-#undef VT
 
 AVXBF static void vtile_any(int t, const uint8_t *codes, const uint8_t *scales, int64_t tile, const uint16_t *x,
                             const float *xs, int64_t mt, int64_t K, void *y, int y_bf16, int64_t ldy, int64_t n0,
-                            int64_t N) {
+                            int64_t N, __m512 *acc) {
     switch (t) {
-#define CASE(T) case T: vtile_##T(codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N); return;
+#define CASE(T) case T: vtile_##T(codes, scales, tile, x, xs, mt, K, y, y_bf16, ldy, n0, N, acc); return;
     CASE(Q4_0) CASE(Q4_1) CASE(Q5_0) CASE(Q5_1) CASE(Q8_0) CASE(Q4_K) CASE(Q5_K) CASE(Q6_K)
 #undef CASE
     }
@@ -909,12 +938,16 @@ int ggml_vlinear(const uint16_t *x, int t, const uint8_t *codes, const uint8_t *
         free(xs);
         return rc;
     }
-    for (int64_t m0 = 0; m0 < M; m0 += VM) {
-        int64_t mt = M - m0 < VM ? M - m0 : VM;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel num_threads(nthreads)
+    {
+        __m512 acc[VROWS];
+#pragma omp for schedule(static)
         for (int64_t tile = 0; tile < tiles; tile++)
-            vtile_any(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K,
-                      (char *)y + m0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, tile * 16, N);
+            for (int64_t m0 = 0; m0 < M; m0 += VROWS) {
+                int64_t mt = M - m0 < VROWS ? M - m0 : VROWS;
+                vtile_any(t, codes, scales, tile, x + m0 * K, xs + m0 * nbk, mt, K,
+                          (char *)y + m0 * ldy * (y_bf16 ? 2 : 4), y_bf16, ldy, tile * 16, N, acc);
+            }
     }
     free(xs);
     return 0;
