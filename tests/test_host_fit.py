@@ -230,6 +230,40 @@ def test_forced_kernel_reports_batch_invariance():
         assert kernel_choice(m, "invariant", "cpu").invariant is True
 
 
+class _WidthDependent(nn.Module):
+    """A kernel whose accumulation depends on the pass width, as oneDNN's bf16 matmul on an AVX512-BF16 host
+    without AMX: a multi-row pass sums in float64, a row alone in fp32 -- the same product, parting in the last
+    bf16 bit of only a few outputs in a thousand."""
+
+    def __init__(self, linear, bad: bool):
+        super().__init__()
+        self.w, self.bad = linear.weight.detach().float(), bad
+
+    def forward(self, x):
+        if x.shape[0] == 1 or not self.bad:
+            return torch.cat([(r.float() @ self.w.T).to(x.dtype) for r in x.split(1)])  # row by row: invariant
+        return (x.double() @ self.w.double().T).to(x.dtype)
+
+
+def test_batch_invariance_check_catches_rare_last_bit_differences(monkeypatch):
+    """The kernel probe's invariance check compares every row of several pass widths: a kernel whose rounding
+    depends on the row count in a few outputs in a thousand is caught, for plain linears and for linears held as
+    GGUF blocks (checked on their dense copies), while an invariant kernel passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1536, 576, bias=False)).bfloat16()
+    monkeypatch.setattr(cpu_packing, "build_kernel", lambda name, lin: _WidthDependent(lin, name == "bad"))
+    assert kernel_probe.batch_invariant(model, "bad") is False
+    assert kernel_probe.batch_invariant(model, "good") is True
+    from specloom.models import ggml_linear
+
+    if not ggml_linear.available():
+        return
+    held = ggml_linear.GGMLLinear([(ggml_linear.quantize_q8_0(model[0].weight.float()),
+                                    ggml_linear.KERNEL_TYPES["Q8_0"])], 1536, torch.bfloat16)
+    assert kernel_probe.batch_invariant(nn.Sequential(held), "bad") is False
+    assert kernel_probe.batch_invariant(nn.Sequential(held), "ggml") is True
+
+
 # -- the depth -------------------------------------------------------------------------------------------------
 
 def test_depth_from_the_host_curve_for_both_host_kinds():

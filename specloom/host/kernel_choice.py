@@ -48,7 +48,8 @@ INVARIANT_SLACK = 1.03  # a batch-invariant kernel may be this much slower than 
 NOISY = 0.15  # a pass whose median repeat is this much above its fastest: the host was busy
 PROBE_BUDGET_S = 20.0  # the most a probe may spend repeating rounds on a noisy host
 LIVE_CHECK = 0.80  # a live decode step faster than this share of the cached one: the cache was taken under load
-PROBE_VERSION = 2  # cached probes of another version (the one-row micro-probe) are measured again
+PROBE_VERSION = 3  # cached probes of another version are measured again (2: the one-row micro-probe; 3: the
+# invariance check that sampled three rows and skipped linears held as GGUF blocks)
 
 
 @dataclass
@@ -136,10 +137,16 @@ def batch_invariant(model: nn.Module, kernel: str, rows=(2, 5, 9, 16), draws: in
     activations after an MLP's gate are). Every row is compared, not a sample: a kernel whose blocking depends on
     the row count parts in the last bit of only a few outputs in ten thousand (oneDNN's bf16 matmul on an AMD EPYC
     without AMX: 1-3 of 16 x 576 SmolLM2 down_proj outputs, which rows 0, n/2 and n-1 alone did not catch)."""
+    from ..models.ggml_linear import dense_linear
+
     g = torch.Generator().manual_seed(1)
-    mods = [(m, m) for m in _held(model)] if kernel == "ggml" else []
+    # a linear held as GGUF blocks runs as itself under ggml and on a dense copy of its weights under any other
+    # kernel (as _Installed installs them)
+    held = [(m, m if kernel == "ggml" else None) for m in _held(model)]
     n = max(rows)
-    for lin, mod in mods + [(lin, None) for lin, _ in _groups(model)]:
+    for lin, mod in held + [(lin, None) for lin, _ in _groups(model)]:
+        if mod is None and getattr(lin, "kernel", None) == "ggml":
+            lin = dense_linear(lin)
         mod = mod or cpu_packing.build_kernel(kernel, lin)
         dtype = getattr(lin, "dtype", None) or lin.weight.dtype
         for d in range(draws):
