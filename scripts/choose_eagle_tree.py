@@ -51,15 +51,22 @@ def read_prompts(files, engine, count: int, max_len: int) -> list[list[int]]:
     return out
 
 
-def compact(info: dict) -> dict:
+def shape_rows(table: list[dict], max_nodes: int = 16) -> list[list]:
+    """Every evaluated shape as [depth, width, nodes, tau, passes]: what does not depend on the host, from which
+    the engine re-chooses the tree for another host's verify-cost curve (drafters/eagle/drafter.py, ShapeTable)."""
+    return [[r["depth"], r["tree_width"], r["num_draft_tokens"], round(r["tau"], 4), round(r["passes"], 4)]
+            for r in table if r["num_draft_tokens"] <= max_nodes]
+
+
+def compact(info: dict, table: list[dict]) -> dict:
     """What goes into the drafter's config.json: the choice, the runner-up rows and the measurements, without
-    the per-prompt detail."""
+    the per-prompt detail, and the shape table."""
     def row(r):
         return None if r is None else {k: v for k, v in r.items() if k != "tau_by_prompt"}
 
     out = {k: v for k, v in info.items() if k not in ("top", "chosen", "best_predicted", "previous")}
     out.update(chosen=row(info["chosen"]), best_predicted=row(info["best_predicted"]),
-               previous=row(info["previous"]), top=[row(r) for r in info["top"][:8]])
+               previous=row(info["previous"]), top=[row(r) for r in info["top"][:8]], shapes=shape_rows(table))
     return out
 
 
@@ -131,7 +138,7 @@ def main() -> None:
         path = os.path.join(find_drafter_dir(a.model, a.method, engine.model.config), "config.json")
         with open(path) as f:
             raw = json.load(f)
-        raw.setdefault("specloom", {}).update(choice, tree_choice=compact(info))
+        raw.setdefault("specloom", {}).update(choice, tree_choice=compact(info, table))
         with open(path, "w") as f:
             json.dump(raw, f, indent=1)
         print("written to", path, file=sys.stderr)

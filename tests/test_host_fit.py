@@ -266,6 +266,59 @@ def test_batch_invariance_check_catches_rare_last_bit_differences(monkeypatch):
 
 # -- the depth -------------------------------------------------------------------------------------------------
 
+# a host whose verification rows cost what they cost on an AVX512-BF16 EPYC without AMX (measured: v(5) = 1.57)
+STEEP = {1: 1.0, 2: 1.06, 3: 1.22, 5: 1.57, 9: 2.4, 17: 4.1}
+
+
+def test_tree_shape_table_keeps_the_tuned_tree_on_its_host_and_shrinks_it_where_rows_cost_more():
+    """The EAGLE shape table scores every shape as the chooser does, tau / (v(nodes + 1) + c0 + c1 x passes): a
+    curve like the one the tree was tuned on keeps it; where each verification row costs more, a smaller shape
+    predicting more wins; a shape that only ties does not replace the tuned one."""
+    from specloom.drafters.eagle.drafter import ShapeTable
+
+    shapes = [(2, 4, 4, 2.0, 1.0), (1, 1, 1, 1.5, 0.0), (1, 4, 4, 1.7, 0.0), (3, 4, 8, 2.3, 2.0)]
+    table = ShapeTable(shapes, 0.19, {1: 0.12, 4: 0.14}, (2, 4, 4))
+    assert table.tau_now == 2.0
+    assert table.best(curve(CHEAP)) is None  # 2.0 / (1.08 + 0.33) = 1.42 beats 1.5 / 1.21 = 1.24
+    assert table.best(curve(STEEP)) == (1, 1, 1, 1.5)  # 1.5 / 1.25 = 1.20 against 2.0 / 1.90 = 1.05
+    tie = ShapeTable([(2, 4, 4, 2.0, 1.0), (1, 1, 1, 1.43, 0.0)], 0.19, {1: 0.12, 4: 0.14}, (2, 4, 4))
+    assert tie.best(curve(CHEAP)) is None  # 1.43 / 1.21 = 1.18 < 1.42
+
+
+def test_auto_refits_the_bundled_eagle3_tree_to_the_host_curve_and_stays_exact():
+    """`auto` on a host whose rows cost more re-chooses the bundled EAGLE-3's tree from its shape table (the
+    suffix hybrid follows, with a prior scaled to the new shape), output still plain decoding's; a request that
+    sets a shape, or `fixed` speculation, keeps its tree."""
+    from specloom.loading import load_target, resolve
+
+    try:
+        resolve("smollm2-135m")
+    except SpecloomError:
+        pytest.skip("smollm2-135m not installed")
+    model, tok = load_target("smollm2-135m", "fp32", progress=False)
+    plain = Engine(model, tok)
+    spec = SpeculativeConfig.parse({"method": "eagle3", "suffix_decoding": True})
+    eng = Engine(model, tok, spec, speculation="auto", cost=curve(STEEP))
+    before = (eng.drafter.inner.depth, eng.drafter.inner.width, eng.drafter.inner.num_nodes)
+    tau0 = eng.prior_tau()
+    assert eng.depth_policy() is not None
+    inner = eng.drafter.inner
+    after = (inner.depth, inner.width, inner.num_nodes)
+    assert after != before and after[2] < before[2] and eng.drafter.num_nodes == inner.num_nodes
+    assert eng.prior_tau() < tau0
+    p = "List three prime numbers and explain why they are prime."
+    a, b = plain.generate(p, chat=True, max_tokens=40), eng.generate(p, chat=True, max_tokens=40)
+    assert b.token_ids == a.token_ids
+    mine = Engine(model, tok, SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 2,
+                                                       "tree_width": 4, "num_draft_tokens": 4}),
+                  speculation="auto", cost=curve(STEEP))
+    mine.depth_policy()
+    assert (mine.drafter.depth, mine.drafter.width, mine.drafter.num_nodes) == (2, 4, 4)
+    fixed = Engine(model, tok, SpeculativeConfig.parse({"method": "eagle3"}), speculation="fixed")
+    fixed.depth_policy()
+    assert (fixed.drafter.depth, fixed.drafter.width) == before[:2]
+
+
 def test_depth_from_the_host_curve_for_both_host_kinds():
     # a chain drafter (n-gram, depth 6): deep on the bf16 host, plain or depth 1 where verifying costs ~n
     fast = DepthPolicy("auto", 6, curve(CHEAP))

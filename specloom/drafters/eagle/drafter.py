@@ -56,6 +56,48 @@ class Candidates:
         return [min(b, sum(n for n, d in zip(self.sizes, self.depths) if d <= k)) for b, k in zip(budgets, ks)]
 
 
+class ShapeTable:
+    """A checkpoint's tree shapes with what does not depend on the host -- each shape's tau and drafter passes per
+    step, measured on training prompts by scripts/choose_eagle_tree.py (`tree_choice.shapes`) -- and the drafting
+    cost it measured in target steps (c = c0 + c1(width) x passes). `best(curve)` scores every shape with a host's
+    verify-cost curve v(nodes + 1) as the chooser does, tau / (v + c), and keeps the checkpoint's own shape unless
+    another predicts `MARGIN` more: the shape the bundled drafter was tuned with on one host (a 5-token pass at
+    1.2 decode steps with AMX tiles) is not the best where a verification row costs more (1.57 steps on an
+    AVX512-BF16 host without AMX: a depth-1 chain)."""
+
+    MARGIN = 1.03
+
+    def __init__(self, shapes: list, c0: float, c1: dict, now: tuple[int, int, int]):
+        self.shapes, self.c0, self.c1, self.now = shapes, c0, c1, now
+        self.tau_now = next((t for d, w, n, t, _ in shapes if (d, w, n) == now), None)
+
+    @classmethod
+    def from_meta(cls, meta: dict, now: tuple[int, int, int]) -> "ShapeTable | None":
+        tc = meta.get("tree_choice") or {}
+        shapes, costs = tc.get("shapes"), tc.get("costs") or {}
+        if not shapes or "c0" not in costs or not costs.get("c1"):
+            return None
+        return cls([tuple(r) for r in shapes], float(costs["c0"]), {int(k): float(v) for k, v in costs["c1"].items()},
+                   now)
+
+    def best(self, curve) -> tuple[int, int, int, float] | None:
+        step = curve(1, 1)
+        if not step or step <= 0:
+            return None
+
+        def predicted(d, w, n, tau, passes):
+            return tau / (curve(1, n + 1) / step + self.c0 + self.c1.get(w, max(self.c1.values())) * passes)
+
+        scored = [(predicted(*r), r) for r in self.shapes if r[1] in self.c1 or r[1] == 1]
+        if not scored:
+            return None
+        top, r = max(scored, key=lambda x: x[0])
+        mine = next((p for p, q in scored if tuple(q[:3]) == self.now), None)
+        if mine is not None and top < mine * self.MARGIN:
+            return None
+        return int(r[0]), int(r[1]), int(r[2]), float(r[3])
+
+
 class _State:
     """Per row: target features of committed positions not yet fed to the drafter; the drafter rows committed
     before this step's tree rows (per store)."""
@@ -110,7 +152,27 @@ class EagleDrafter(Drafter):
             nodes = d_nodes or depth * width
         d = cls(model, depth, width, nodes)
         d.checkpoint = {"path": path, "meta": meta}
+        if not (spec.num_speculative_tokens or spec.tree_width or getattr(spec, "num_draft_tokens", None)):
+            d.shape_table = ShapeTable.from_meta(meta, (depth, width, nodes))
         return d
+
+    def fit_tree(self, curve) -> bool:
+        """Re-choose the tree for this host's verify-cost curve (`curve(1, t)`: seconds of a t-token pass), once,
+        where the request set no shape and the checkpoint carries a shape table. True if the shape changed (the
+        prior tau then scaled to the new shape: `prior_tau`)."""
+        table = getattr(self, "shape_table", None)
+        if table is None:
+            return False
+        self.shape_table = None
+        best = table.best(curve)
+        if best is None or best[:3] == (self.depth, self.width, self.num_nodes):
+            return False
+        depth, width, nodes, tau = best
+        measured = (self.checkpoint["meta"].get("measured") or {}).get("mean_accepted_length")
+        if measured and table.tau_now:
+            self.prior_tau = 1 + (measured - 1) * (tau - 1) / (table.tau_now - 1)
+        self.depth, self.width, self.num_nodes = depth, width, depth if width == 1 else nodes
+        return True
 
     @property
     def num_speculative_tokens(self) -> int:

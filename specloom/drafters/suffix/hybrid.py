@@ -103,6 +103,18 @@ class SuffixFirst(Drafter):
     def num_speculative_tokens(self) -> int:
         return self.inner.num_speculative_tokens
 
+    def fit_tree(self, curve) -> bool:
+        """The model drafter's tree re-chosen for this host's curve (EAGLE's `fit_tree`); its prior follows."""
+        fit = getattr(self.inner, "fit_tree", None)
+        if fit is None or not fit(curve):
+            return False
+        self.num_nodes = self.inner.num_nodes
+        tau = getattr(self.inner, "prior_tau", None)
+        if tau:
+            self.prior_tau = tau
+            self.tally = Tally(1.0, tau - 1.0 if tau > 1.0 else 1.0)
+        return True
+
     @property
     def idle_free(self) -> bool:
         return self.inner.idle_free  # the suffix tries catch up from the tokens (`SuffixDrafter._sync`)
