@@ -182,12 +182,12 @@ class DepthPolicy:
     def for_drafter(cls, mode: str, drafter, cost: BatchCost | None = None,
                     prior_tau: float | None = None, calibrate: bool = True) -> "DepthPolicy":
         """A policy for `drafter` (None: off): its depth, tree size per depth, cheapness and a prior acceptance
-        from its measured tau (0.5 when unknown). With a host curve `cost`, a drafter that can (`fit_tree`: EAGLE's
-        shape table) first re-chooses its tree for that curve. `calibrate` False keeps the cost curve's shape as measured
-        (Engine.generate: on a shared host, transient slow passes would otherwise tilt it for the rest of a
-        run)."""
+        from its measured tau (0.5 when unknown). Load-aware, with a host curve `cost`, a drafter that can
+        (`fit_tree`: EAGLE's shape table) first re-chooses its tree for that curve (fixed speculation keeps it).
+        `calibrate` False keeps the cost curve's shape as measured (Engine.generate: on a shared host, transient
+        slow passes would otherwise tilt it for the rest of a run)."""
         fit = getattr(drafter, "fit_tree", None)
-        if cost is not None and fit is not None and fit(cost):  # the tree re-chosen for this host's curve, once
+        if mode == "load_aware" and cost is not None and fit is not None and fit(cost):  # once, for this host
             prior_tau = getattr(drafter, "prior_tau", None) or prior_tau
         k = drafter.num_speculative_tokens if drafter is not None else 0
         if not k:

@@ -154,9 +154,9 @@ def predict(engine, tau: float, draft_seconds: float, drafted_steps: int, cost=N
     from .cost import batch_cost_cached
 
     d = engine.drafter
-    k_max = d.num_speculative_tokens
     cost = cost or batch_cost_cached(engine.model, 1)
     policy = DepthPolicy.for_drafter("load_aware", d, cost, prior_tau=tau, calibrate=False)
+    k_max = d.num_speculative_tokens  # after the policy: it may have re-chosen the tree for this host
     draft_cost = draft_seconds / drafted_steps / k_max / cost.base if drafted_steps else 0.0
     policy.draft_cost = draft_cost
     alpha = tau_to_alpha(tau, k_max)

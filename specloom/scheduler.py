@@ -96,7 +96,8 @@ class BatchScheduler:
         self.stepper = Stepper(self.model, self.drafter, self.pool, engine.tokenizer, engine.prefill_chunk)
         prior = engine.prior_tau() if self.drafter else None
         self.policy = DepthPolicy.for_drafter(mode, self.drafter, cost, prior)
-        self.prior_tau = prior  # the drafter's manifest tau (None: unknown)
+        # the drafter's manifest tau (None: unknown), read again: the policy may have re-chosen its tree
+        self.prior_tau = engine.prior_tau() if self.drafter else None
         self.monitor = monitor
         self._prior_alpha = self.policy.prior_alpha  # the policy's prior from the manifest, restored on recovery
         self.max_queue = 4 * rows if max_queue is None else max_queue

@@ -169,7 +169,7 @@ class EagleDrafter(Drafter):
             return False
         depth, width, nodes, tau = best
         measured = (self.checkpoint["meta"].get("measured") or {}).get("mean_accepted_length")
-        if measured and table.tau_now:
+        if measured and table.tau_now and table.tau_now > 1:
             self.prior_tau = 1 + (measured - 1) * (tau - 1) / (table.tau_now - 1)
         self.depth, self.width, self.num_nodes = depth, width, depth if width == 1 else nodes
         return True
