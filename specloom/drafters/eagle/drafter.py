@@ -86,9 +86,9 @@ class ShapeTable:
             return None
 
         def predicted(d, w, n, tau, passes):
-            return tau / (curve(1, n + 1) / step + self.c0 + self.c1.get(w, max(self.c1.values())) * passes)
+            return tau / (curve(1, n + 1) / step + self.c0 + self.c1[w] * passes)
 
-        scored = [(predicted(*r), r) for r in self.shapes if r[1] in self.c1 or r[1] == 1]
+        scored = [(predicted(*r), r) for r in self.shapes if r[1] in self.c1]
         if not scored:
             return None
         top, r = max(scored, key=lambda x: x[0])

@@ -673,6 +673,19 @@ AVXBF static inline __m512 dpb_pair(__m512 acc, __m512bh q, const uint16_t *p) {
     return acc;
 }
 
+/* One block's dot products for R (1 or 2) activation rows (x: the first row at the block's start, stride K):
+   per row four partial sums from zero, vector j into sum j & 3, added as (S0 + S1) + (S2 + S3). */
+AVXBF static inline __attribute__((always_inline)) void block_dots(const __m512bh *q, int nq, const uint16_t *x,
+                                                                   int64_t K, int R, __m512 *sum) {
+    __m512 S[2][4];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < 4; c++) S[r][c] = _mm512_setzero_ps();
+    for (int j = 0; j < nq; j++)
+        for (int r = 0; r < R; r++) S[r][j & 3] = dpb_pair(S[r][j & 3], q[j], x + r * K + 2 * j);
+    for (int r = 0; r < R; r++)
+        sum[r] = _mm512_add_ps(_mm512_add_ps(S[r][0], S[r][1]), _mm512_add_ps(S[r][2], S[r][3]));
+}
+
 /* One tile of 16 weight rows against mt <= VROWS activation rows: per block, its code vectors are converted once
    into registers and every row takes its dot products from them, two rows at a time. Vector j of a block
    (j < BK/2) holds the codes of the pair group at k0 + 2j and feeds partial sum j & 3; the four partial sums start
@@ -683,16 +696,15 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
                                                               int64_t tile, const uint16_t *x, const float *xs,
                                                               int64_t mt, int64_t K, void *y, int y_bf16,
                                                               int64_t ldy, int64_t n0, int64_t N, __m512 *acc) {
-    enum { NQ = 16 };
-    int BK = vblock(t), nib = nibble_type(t), hasm = has_min(t), nq = BK / 2;
+    int BK = vblock(t), nq = BK / 2;
     int64_t nbk = K / BK;
     for (int64_t i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const __m512i lut = nib_lut(t), m4 = _mm512_set1_epi16(15);
     for (int64_t b = 0; b < nbk; b++) {
-        __m512bh q[NQ];
+        __m512bh q[16];
         int64_t k0 = b * BK;
-        if (nib) {
-            for (int j = 0; j < NQ; j += 2) {
+        if (nibble_type(t)) {
+            for (int j = 0; j < nq; j += 2) {
                 const uint8_t *cp = codes + (tile * (K / 4) + (k0 + 2 * j) / 4) * 32;
                 if (!(j & 2)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
                 __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)cp));
@@ -700,45 +712,22 @@ AVXBF static inline __attribute__((always_inline)) void vtile(int t, const uint8
                 q[j + 1] = nib_bf16(_mm512_srli_epi16(v, 4), lut);
             }
         } else {
-            for (int j = 0; j < NQ; j++) {
-                if (j >= nq) { q[j] = q[0]; continue; }
+            for (int j = 0; j < nq; j++) {
                 const uint8_t *cp = codes + (tile * (K / 2) + (k0 + 2 * j) / 2) * 32;
                 if (!(j & 1)) _mm_prefetch((const char *)cp + PF, _MM_HINT_T0);
                 q[j] = byte_bf16(cp);
             }
         }
         const uint8_t *sb = scales + (tile * nbk + b) * sblock(t);
-        __m512 d = sload(t, sb, 0), m = hasm ? sload(t, sb, 1) : d;
+        __m512 sum[2];
         int64_t i = 0;
         for (; i + 2 <= mt; i += 2) {
-            const uint16_t *x0 = x + i * K + k0, *x1 = x0 + K;
-            __m512 S0[4], S1[4];
-            for (int c = 0; c < 4; c++) { S0[c] = _mm512_setzero_ps(); S1[c] = _mm512_setzero_ps(); }
-            for (int j = 0; j < NQ; j++) {
-                if (j >= nq) break;
-                S0[j & 3] = dpb_pair(S0[j & 3], q[j], x0 + 2 * j);
-                S1[j & 3] = dpb_pair(S1[j & 3], q[j], x1 + 2 * j);
-            }
-            __m512 s0 = _mm512_add_ps(_mm512_add_ps(S0[0], S0[1]), _mm512_add_ps(S0[2], S0[3]));
-            __m512 s1 = _mm512_add_ps(_mm512_add_ps(S1[0], S1[1]), _mm512_add_ps(S1[2], S1[3]));
-            acc[i] = _mm512_fmadd_ps(d, s0, acc[i]);
-            acc[i + 1] = _mm512_fmadd_ps(d, s1, acc[i + 1]);
-            if (hasm) {
-                acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
-                acc[i + 1] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[(i + 1) * nbk + b]), acc[i + 1]);
-            }
+            block_dots(q, nq, x + i * K + k0, K, 2, sum);
+            block_end(t, sb, sum, xs + i * nbk, nbk, b, 2, acc + i);
         }
-        for (; i < mt; i++) {
-            const uint16_t *x0 = x + i * K + k0;
-            __m512 S0[4];
-            for (int c = 0; c < 4; c++) S0[c] = _mm512_setzero_ps();
-            for (int j = 0; j < NQ; j++) {
-                if (j >= nq) break;
-                S0[j & 3] = dpb_pair(S0[j & 3], q[j], x0 + 2 * j);
-            }
-            __m512 s0 = _mm512_add_ps(_mm512_add_ps(S0[0], S0[1]), _mm512_add_ps(S0[2], S0[3]));
-            acc[i] = _mm512_fmadd_ps(d, s0, acc[i]);
-            if (hasm) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nbk + b]), acc[i]);
+        if (i < mt) {
+            block_dots(q, nq, x + i * K + k0, K, 1, sum);
+            block_end(t, sb, sum, xs + i * nbk, nbk, b, 1, acc + i);
         }
     }
     store_tile(acc, mt, y, y_bf16, ldy, n0, N);
