@@ -241,6 +241,37 @@ def test_eagle3_init_from_another_draft_vocabulary(dataset, capsys):
                                    atol=1e-3, rtol=1e-2)
 
 
+def test_eagle3_init_from_keeps_its_vocabulary_and_new_rows_start_at_the_mean(dataset, capsys):
+    """Continuing an EAGLE-3 (`--init-from`, no vocabulary option) keeps the source's draft vocabulary -- every
+    head row carries over, even where the data would now rank other tokens first; a larger vocabulary's new rows
+    start from the mean carried row (the target's rows had outscored the trained ones: top-1 restarted near 0.2)."""
+    from specloom.drafters.checkpoint import load_drafter
+
+    t, data, root = dataset
+    a = str(root / "e3_keep_src")
+    _train(t, data, a, "eagle3", "--draft-vocab", "24", "--ttt-steps", "1", "--steps", "2")
+    same = str(root / "e3_keep_same")
+    args = ["train", "eagle3", "--target", t.path, "--data", data, "--steps", "1", "--lr", "1e-9",
+            "--tokens-per-batch", "256", "--warmup", "1", "--ttt-steps", "1", "--init-from", a]
+    assert main(args + ["--out", same]) == 0
+    assert "24 of 24 draft-head rows carried over)" in capsys.readouterr().err
+    ma, _ = load_drafter(a, "eagle3", t.model, t.tokenizer)
+    ms, _ = load_drafter(same, "eagle3", t.model, t.tokenizer)
+    assert torch.equal(ms.d2t, ma.d2t)
+    torch.testing.assert_close(ms.lm_head.weight.float(), ma.lm_head.weight.float(), atol=1e-3, rtol=1e-2)
+    big = str(root / "e3_keep_big")
+    assert main(args + ["--out", big, "--draft-vocab", "48"]) == 0
+    assert "the rest start from their mean" in capsys.readouterr().err
+    mb, _ = load_drafter(big, "eagle3", t.model, t.tokenizer)
+    ua = set((torch.arange(24) + ma.d2t).tolist())
+    ub = (torch.arange(48) + mb.d2t).tolist()
+    new = [i for i, tok in enumerate(ub) if tok not in ua]
+    assert len(new) == 24
+    mean = ma.lm_head.weight.float().mean(0)
+    for i in new:
+        torch.testing.assert_close(mb.lm_head.weight[i].float(), mean, atol=1e-3, rtol=1e-2)
+
+
 def test_finetune_target_keeps_embedding_and_head_and_moves_behaviour(dataset, capsys):
     """`train target --init-from` fine-tunes the existing target on answer tokens: the loss falls, the output is a
     HF directory specloom loads, the embedding/head (so the structural fingerprint) stay, `--train-layers 1` leaves

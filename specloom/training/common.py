@@ -35,15 +35,19 @@ def draft_vocab_size(counts: torch.Tensor, cap: int, coverage: float | None) -> 
     return max(256, min(cap, -(-need // 256) * 256))
 
 
-def draft_vocabulary(data, vocab_size: int, cap: int | None, coverage: float | None) -> tuple[torch.Tensor, float]:
+def draft_vocabulary(data, vocab_size: int, cap: int | None, coverage: float | None,
+                     fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """A reduced draft vocabulary (EAGLE-3 `d2t`, Medusa `token_map`): the sorted ids of the most frequent answer
     tokens of `data` (`--draft-vocab` = `cap`, None: the whole vocabulary; `--draft-vocab-coverage`, see
-    `draft_vocab_size`), and the share of the answer tokens they cover."""
+    `draft_vocab_size`), or the sorted ids `fixed` when given; and the share of the answer tokens they cover."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for t, m, _ in data.seqs:  # the tokens the drafter must predict: the target's answers
         counts += torch.bincount(t[m], minlength=vocab_size)
-    vd = draft_vocab_size(counts, min(cap or vocab_size, vocab_size), coverage)
-    used = counts.topk(vd).indices.sort().values
+    if fixed is not None:
+        used = fixed.sort().values
+    else:
+        vd = draft_vocab_size(counts, min(cap or vocab_size, vocab_size), coverage)
+        used = counts.topk(vd).indices.sort().values
     return used, float(counts[used].sum()) / float(counts.sum().clamp(min=1))
 
 
