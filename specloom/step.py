@@ -229,6 +229,19 @@ class Stepper:
         self.model, self.drafter, self.kv, self.tokenizer = model, drafter, kv, tokenizer
         self.prefill_chunk = prefill_chunk
 
+    def _target_pass(self, tokens, positions, p, mask, capture) -> ForwardOutput:
+        """The step's target pass: replayed as a CUDA graph where one applies (models/graphs.py; the graphs are
+        kept with the KV store they write, so every generation over the store replays them), else eager."""
+        graphs = self.kv.__dict__.get("_graphs")
+        if graphs is None and self.model.device.type == "cuda":
+            from .models import graphs as g
+
+            graphs = self.kv.__dict__["_graphs"] = g.GraphedPasses(self.model, self.kv) if g.enabled(self.model) \
+                else False
+        if graphs and graphs.applies(p, mask):
+            return graphs.run(tokens, positions, p, mask, capture)
+        return self.model(tokens, positions, p, attn_mask=mask, capture=capture)
+
     def new_row(self, req: Request, row: int) -> Row:
         return Row(req, self.tokenizer, self.kv, row, self.model.device, self.drafter)
 
@@ -373,7 +386,7 @@ class Stepper:
         capture = drafter.needs_hidden if drafter is not None and any(r.drafting for r in rows) else ()
         t_pass = time.perf_counter()
         try:
-            out = self.model(tokens, positions, p, attn_mask=mask, capture=capture)
+            out = self._target_pass(tokens, positions, p, mask, capture)
         except Exception:
             if T == 1:
                 raise  # a plain pass failed: nothing of one row's to drop (the caller fails the step's rows)

@@ -210,6 +210,26 @@ def test_greedy_speculative_equals_plain_on_device(dev_setup, kind):
 
 
 @on_device
+@pytest.mark.parametrize("kind", [None, "ngram", "eagle3_tree"])
+def test_cuda_graphs_replay_the_eager_passes(dev_setup, kind, monkeypatch):
+    """Single-row passes replay as CUDA graphs (models/graphs.py) on a CUDA device: the graphs are captured and
+    used, and the tokens equal the eager passes' (SPECLOOM_CUDA_GRAPHS=0), plain and speculative."""
+    model, tok, specs = dev_setup
+    spec = None if kind is None else specs[kind]
+    graphed = Engine(model, tok, max_model_len=256) if spec is None else _spec_engine(model, tok, spec)
+    got = [graphed.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True).token_ids for ids in PROMPTS]
+    monkeypatch.setenv("SPECLOOM_CUDA_GRAPHS", "0")
+    eager = Engine(model, tok, max_model_len=256) if spec is None else _spec_engine(model, tok, spec)
+    want = [eager.generate(prompt_token_ids=ids, max_tokens=N, ignore_eos=True).token_ids for ids in PROMPTS]
+    assert got == want
+    if parse_device(DEVICE).type == "cuda":
+        g = graphed._kv.__dict__.get("_graphs")
+        assert g and not g.failed and g.runs > 0
+        assert all(x.graph is not None for x in g.graphs.values())
+        assert eager._kv.__dict__.get("_graphs") is False
+
+
+@on_device
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "dflash", "dspark"])
 def test_batched_greedy_equals_plain_on_device(dev_setup, kind):
     from specloom.scheduler import BatchScheduler, Sequence

@@ -95,6 +95,13 @@ class Rope(nn.Module):
             self._build(size, dtype, positions.device)
         return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
 
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` without growing the tables (no host read of the positions: a CUDA graph replays it); the
+        tables must already cover the positions in `dtype` (models/graphs.py builds them first)."""
+        if self.cos_table is None or self.cos_table.dtype != dtype or self.cos_table.device != positions.device:
+            raise RuntimeError("RoPE tables not built for this dtype/device")
+        return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
+
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, d) rotated by position (HF's rotate_half convention: element i pairs with i + d/2).
