@@ -227,6 +227,9 @@ def test_cuda_graphs_replay_the_eager_passes(dev_setup, kind, monkeypatch):
         assert g and not g.failed and g.runs > 0
         assert all(x.graph is not None for x in g.graphs.values())
         assert eager._kv.__dict__.get("_graphs") is False
+        if kind == "eagle3_tree":  # the drafting steps too (drafters/eagle/graphed.py)
+            steps = [st for c in graphed._kv._companions.values() for st in c.__dict__.get("_eagle_steps", {}).values()]
+            assert steps and all(st.graph is not None and not st.failed for st in steps)
 
 
 @on_device

@@ -100,3 +100,42 @@ def test_generation_through_the_static_pass_equals_eager(setup, kind):
     assert g.runs >= len(PROMPTS) * 23 / (4 if kind else 1)  # every step after prefill went through it
     assert (drafted > 0) == (kind is not None)
     assert len({key[1] for key in g.graphs}) >= (2 if kind else 1)  # widths seen
+
+
+def test_eagle_step_through_the_static_path_drafts_the_eager_trees(setup):
+    """The EAGLE tree step a CUDA graph replays (drafters/eagle/graphed.py), run eagerly on the CPU: catch-up,
+    every expansion depth (masks over earlier depths' rows) and the rerank on static passes give the very trees
+    the eager step drafts, step for step, and the drafter store's books end where the eager step leaves them."""
+    from specloom.drafters.eagle import graphed
+
+    model, tok, specs = setup
+    spec = SpeculativeConfig.parse(specs["eagle3_tree"])
+    eager, static = Engine(model, tok, spec, max_model_len=256), Engine(model, tok, spec, max_model_len=256)
+    trees = {"eager": [], "static": []}
+    used = [0]
+
+    def record(engine, name, fn):
+        def propose(ctxs):
+            out = fn(ctxs)
+            trees[name].append([(t.tokens, t.parents) for t in out])
+            return out
+        engine.drafter.propose = propose
+
+    def static_propose(ctxs):
+        if len(ctxs) == 1:
+            out = graphed.propose(static.drafter, ctxs[0], capture_graphs=False)
+            if out is not None:
+                used[0] += 1
+                return out
+        return type(static.drafter).propose(static.drafter, ctxs)
+
+    record(eager, "eager", eager.drafter.propose)
+    record(static, "static", static_propose)
+    for ids in PROMPTS:
+        a = eager.generate(prompt_token_ids=ids, max_tokens=24, ignore_eos=True)
+        b = static.generate(prompt_token_ids=ids, max_tokens=24, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+        assert trees["static"] == trees["eager"]
+    # every step but a catch-up over a whole prompt longer than M_MAX (the first after prefill) went static
+    assert used[0] >= len(trees["static"]) - sum(len(p) > graphed.M_MAX for p in PROMPTS) > 10
+    assert any(len(t[0][0]) > 4 for t in trees["static"])  # trees deeper than one level were drafted

@@ -45,18 +45,37 @@ def keep_best(ctxs, toks, scores, parents, valid, n_keep: list[int]) -> list[Dra
     parents, valid: (B, N) candidates (valid: not deeper than the row's k); row b keeps its best n_keep[b] valid candidates (ties: the lower id, which is the
     parent first), in id order, with kept parents renumbered as tree nodes (node 0 = the root). Scores fall
     along a path, so a kept candidate's parent is kept. One host read for all rows."""
+    return kept_trees(ctxs, kept_nodes(toks, scores, parents, valid, n_keep), n_keep)
+
+
+def kept_trees(ctxs, kept: torch.Tensor, n_keep: list[int]) -> list[DraftTree]:
+    """The trees of `kept_nodes`' (2, B, n) tensor: its one host read."""
+    tok_l, par_l = kept.tolist()
+    return [DraftTree([c.tokens[-1], *tok_l[b][:n]], [-1, *par_l[b][:n]])
+            for b, (c, n) in enumerate(zip(ctxs, n_keep))]
+
+
+def kept_nodes(toks, scores, parents, valid, n_keep: list[int]) -> torch.Tensor:
+    """`keep_best` on the device: (2, B, max(n_keep)) -- each row's kept tokens and their parents' tree nodes."""
     B, N = scores.shape
     dev = scores.device
     ids = torch.arange(N, device=dev)
     order = scores.masked_fill(~valid, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
-    rank_kept = ids[None] < torch.tensor(n_keep, device=dev)[:, None]  # (B, N): rank r is kept
+    rank_kept = ids[None] < small_tensor(n_keep, dev)[:, None]  # (B, N): rank r is kept
     keep = torch.zeros(B, N, dtype=torch.bool, device=dev).scatter_(1, order, rank_kept)
     node = keep.cumsum(-1)  # the tree node of each kept candidate: its 1-based rank in id order
     pnode = torch.where(parents < 0, 0, node.gather(1, parents.clamp(min=0)))
     kept = torch.where(keep, ids, N + ids).topk(max(n_keep), -1, largest=False).indices  # kept ids, ascending
-    tok_l, par_l = torch.stack([toks.gather(1, kept), pnode.gather(1, kept)]).tolist()
-    return [DraftTree([c.tokens[-1], *tok_l[b][:n]], [-1, *par_l[b][:n]])
-            for b, (c, n) in enumerate(zip(ctxs, n_keep))]
+    return torch.stack([toks.gather(1, kept), pnode.gather(1, kept)])
+
+
+def small_tensor(values: list[int], dev) -> torch.Tensor:
+    """A few host integers as a device tensor -- by fills where a CUDA graph is being captured (a copy from host
+    memory cannot be captured), else by one copy."""
+    dev = torch.device(dev)
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.cat([torch.full((1,), v, dtype=torch.long, device=dev) for v in values])
+    return torch.tensor(values, device=dev)
 
 
 def chains(ctxs, drafts: list[list[int]], qs: list[list[torch.Tensor]]) -> list[DraftTree]:

@@ -64,23 +64,31 @@ class StaticPass:
         return self
 
     def static_context(self, model, positions: torch.Tensor, attn_mask: torch.Tensor | None) -> AttentionContext:
+        """The context of a target pass (transformer.py's `_context` hands a static pass here)."""
+        cos_sin = {kind: model.ropes[kind if kind in model.ropes else "full"].lookup(positions, model.dtype)
+                   for kind in model.layer_kinds}
+        sliding = model.config.sliding_window if "sliding" in model.layer_kinds else None
+        return self.context(positions, attn_mask, cos_sin, sliding)
+
+    def context(self, positions: torch.Tensor, attn_mask: torch.Tensor | None, cos_sin: dict,
+                sliding_window: int | None = None) -> AttentionContext:
         """The pass's attention context, computed on the device: slots start..start+T-1 take the positions, and
-        the (1, 1, T, S_max) mask shows each query the row's committed slots [0, start) and the new entries its
-        tree mask allows (causal without one)."""
+        the (1, 1, T, S_max) mask shows each query the row's slots before the mask's R columns and, of the last R
+        slots up to the pass's end, those `attn_mask` (T, R) allows (causal over the new entries without one;
+        R > T: a drafter's rows of earlier depths, as models/context.py reads them)."""
         kv, T, dev = self.kv, self.T, positions.device
         S = kv.max_len
         self._slots = self.start_t + torch.arange(T, device=dev)  # (T,)
         kv.slot_pos[self.row].index_copy_(0, self._slots, positions[0])
-        tree = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if attn_mask is None else attn_mask.reshape(T, T)
-        rel = torch.arange(S, device=dev) - self.start_t  # (S,): slot - start
-        inside = (rel >= 0) & (rel < T)
-        new = tree[:, rel.clamp(0, T - 1)] & inside  # (T, S)
-        full = (rel < 0) | new
+        mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril() if attn_mask is None \
+            else attn_mask.reshape(T, attn_mask.shape[-1])
+        R = mask.shape[-1]
+        rel = torch.arange(S, device=dev) - (self.start_t + (T - R))  # (S,): slot - the first masked slot
+        inside = (rel >= 0) & (rel < R)
+        full = (rel < 0) | (mask[:, rel.clamp(0, R - 1)] & inside)  # (T, S)
         masks = {"full": full[None, None]}
-        cos_sin = {kind: model.ropes[kind if kind in model.ropes else "full"].lookup(positions, model.dtype)
-                   for kind in model.layer_kinds}
-        if "sliding" in model.layer_kinds:
-            near = (positions[0][:, None] - kv.slot_pos[self.row][None, :]) < model.config.sliding_window
+        if sliding_window is not None:
+            near = (positions[0][:, None] - kv.slot_pos[self.row][None, :]) < sliding_window
             masks["sliding"] = masks["full"] & near[None, None]
         return AttentionContext(self, cos_sin, masks, {}, False, False)
 
@@ -165,24 +173,32 @@ class GraphedPasses:
         self._ropes_ready = True
 
     def _capture(self, g: _Graph) -> bool:
-        """Warm up on a side stream, then capture the pass. The warm-ups write this pass's keys/values into its
-        own slots (the replay writes the same), so they change nothing."""
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    g.run_eager()
-            torch.cuda.current_stream().wait_stream(s)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                g.out = g.run_eager()
-            g.graph = graph
-            # the RoPE tables the graph reads stay alive with it (a later rebuild replaces the module's own)
-            g.tables = [(r.cos_table, r.sin_table) for r in self.model.ropes.values()]
-            return True
-        except Exception as e:  # the pass runs eagerly from now on: slower, never wrong
-            log.warning("CUDA graph capture failed (%s: %s): target passes run eagerly", type(e).__name__, e)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        captured = capture(g.run_eager, self.pool, "target passes")
+        if captured is None:
             return False
+        g.graph, g.out = captured
+        # the RoPE tables the graph reads stay alive with it (a later rebuild replaces the module's own)
+        g.tables = [(r.cos_table, r.sin_table) for r in self.model.ropes.values()]
+        return True
+
+
+def capture(fn, pool, what: str):
+    """(graph, fn's output) of `fn` captured as a CUDA graph in memory pool `pool`, after two warm-up calls on a
+    side stream; None where capture fails (logged: `what` then runs eagerly). `fn` must write only what a replay
+    writes too (a pass's own slots), since the warm-ups run it for real."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
+        return graph, out
+    except Exception as e:  # eager from now on: slower, never wrong
+        log.warning("CUDA graph capture failed (%s: %s): %s run eagerly", type(e).__name__, e, what)
+        return None

@@ -29,7 +29,7 @@ import torch
 
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, register
-from ..rows import chains, draw, fitting_groups, keep_best, own_store
+from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_tensor
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
 
@@ -50,7 +50,7 @@ class Candidates:
 
     def valid(self, ks: list[int]) -> torch.Tensor:
         """(B, N): candidate no deeper than its row's k."""
-        return self.depth_of()[None] <= torch.tensor(ks, device=self.tokens.device)[:, None]
+        return self.depth_of()[None] <= small_tensor(ks, self.tokens.device)[:, None]
 
     def n_keep(self, ks: list[int], budgets: list[int]) -> list[int]:
         return [min(b, sum(n for n, d in zip(self.sizes, self.depths) if d <= k)) for b, k in zip(budgets, ks)]
@@ -255,6 +255,11 @@ class EagleDrafter(Drafter):
         """Append T rows of draft depth `depth` per call row (h (B, T, H) the hidden they read, tokens (B, T))
         to the store of that depth; returns their outputs (B, T, H)."""
         store = self._stores(ctxs[0])[self._layer(depth)]
+        if self._static is not None:  # inside a captured drafting step (graphed.py): one row, slots on the device
+            T = tokens.shape[1]
+            pos = self._position(self._static.root, depth).expand(1, T)
+            return self.model(self.model.next_input(h, tokens), tokens, pos, self._static.pass_(store, ctxs[0].row, T),
+                              attn_mask=mask)
         dev = h.device
         B, T = tokens.shape
         pos = torch.tensor([[self._position(c.root_position, depth)] * T for c in ctxs], device=dev)
@@ -266,8 +271,17 @@ class EagleDrafter(Drafter):
         return p.pick(out)
 
     # -- proposing -------------------------------------------------------------------------------------------
+    graphable = False  # one row's tree step may replay as a CUDA graph (graphed.py): EAGLE-1/3, not MTP's hooks
+    _static = None  # while a step is captured: its slots and root position on the device (graphed.py)
+
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
+        if self.graphable and self.width > 1 and len(ctxs) == 1 and ctxs[0].kv.device.type == "cuda":
+            from . import graphed
+
+            trees = graphed.propose(self, ctxs[0])
+            if trees is not None:
+                return trees
         h = self._catch_up(ctxs)
         if h is None:
             return [DraftTree.chain(c.tokens[-1], []) for c in ctxs]
@@ -327,7 +341,7 @@ class EagleDrafter(Drafter):
         m = self.model
         B, dev = len(ctxs), h_star.device
         K = max(ks)
-        k_of = torch.tensor(ks, device=dev)
+        k_of = None if budgets is None else torch.tensor(ks, device=dev)
         budget = None if budgets is None else torch.tensor(budgets, device=dev)
         lp = torch.log_softmax(self._logits(h_star, 0), -1)  # (B, V_d)
         top = lp.topk(w, -1)
@@ -389,9 +403,11 @@ class EagleDrafter(Drafter):
                     'layout vLLM reads with "method": "eagle"')
 class Eagle1Drafter(EagleDrafter):
     eagle3 = False
+    graphable = True
 
 
 @register("eagle3", TREE_KEYS, (".trainer",))
 class Eagle3Drafter(EagleDrafter):
     eagle3 = True
+    graphable = True
 

@@ -283,8 +283,12 @@ class EagleDraftModel(nn.Module):
         (pre-norm)."""
         layer = self.layers[0]
         kvp = kv.open(tokens.shape[1])
-        cos, sin = self.rope(positions, u.dtype)
-        ctx = attention_context(kvp, positions, attn_mask, {})
+        if getattr(kvp, "static", False):  # a pass replayed as a CUDA graph (drafters/eagle/graphed.py)
+            cos, sin = self.rope.lookup(positions, u.dtype)
+            ctx = kvp.context(positions, attn_mask, {})
+        else:
+            cos, sin = self.rope(positions, u.dtype)
+            ctx = attention_context(kvp, positions, attn_mask, {})
         a = layer.attn_input(self.embed(tokens), u) if self.config.eagle3 else u
         fused = self.__dict__.get("_fused")
         if fused is not None and torch.is_inference_mode_enabled():  # the layer in one C call where it can run
