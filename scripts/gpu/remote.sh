@@ -56,6 +56,10 @@ bench)
     step "bench: plain, eagle3+suffix, hf, hf-lookup" 240 "$PY" -m specloom bench smollm2-135m --device cuda \
         --prompts "$PROMPTS" --per-category 2 --max-tokens 128 --baseline plain,hf,hf-lookup \
         --speculative-config "$DEFAULT" --json "$O/bench.json"
+    # the same without CUDA graphs (models/graphs.py, drafters/eagle/graphed.py): what the replayed passes buy
+    step "bench: plain, eagle3+suffix, CUDA graphs off" 50 env SPECLOOM_CUDA_GRAPHS=0 "$PY" -m specloom bench \
+        smollm2-135m --device cuda --prompts "$PROMPTS" --per-category 1 --max-tokens 64 --baseline plain \
+        --speculative-config "$DEFAULT" --json "$O/bench_eager.json"
     step "bench-serve: 1/8/32 x off/fixed/load-aware" 150 "$PY" -m specloom bench-serve smollm2-135m --device cuda \
         --speculative-config "$DEFAULT" --concurrency 1 8 32 --modes off fixed load_aware --prompts "$PROMPTS" \
         --max-tokens 64 --requests-per-level 32 --json "$O/serve.json"
