@@ -323,6 +323,7 @@ class Stepper:
             r.ctx.k, r.ctx.max_nodes, r.ctx.budget = c, None, r.budget
         return self.drafter.free_drafts([r.ctx for r in rows])
 
+    @torch.inference_mode()
     def step(self, rows: list[Row], plan: StepPlan) -> StepReport:
         """One speculative step over `rows` (any pool rows) as `plan` says (each depth capped by the row's own
         cap: its drafter's depth and its token budget)."""
