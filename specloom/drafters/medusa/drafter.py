@@ -175,7 +175,7 @@ class MedusaDrafter(Drafter):
     def on_verified(self, ctxs, results, target_out) -> None:
         hid = target_out.hidden[self.needs_hidden[0]]
         for b, (ctx, res) in enumerate(zip(ctxs, results)):
-            ctx.state["h"] = hid[b, res.path[-1]]
+            ctx.state["h"] = hid[b, res.path[-1]].clone()  # not a view: a replayed pass reuses its buffers
 
     @torch.inference_mode()
     def propose(self, ctxs) -> list[DraftTree]:
