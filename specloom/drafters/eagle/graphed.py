@@ -90,7 +90,7 @@ def propose(drafter, ctx, capture_graphs: bool = True):
             or stable + m != ctx.root_position:
         return None
     steps = store.__dict__.setdefault("_eagle_steps", {})
-    key = (ctx.row, m, ctx.k, budget)
+    key = (id(drafter), drafter.width, ctx.row, m, ctx.k, budget)
     step = steps.get(key)
     if step is None:
         if len(steps) >= MAX_STEPS:
