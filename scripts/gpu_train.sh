@@ -7,7 +7,8 @@
 # Phases (each bounded by --max-minutes, so the call ends in time and a rerun resumes):
 #   1. specloom data  --device cuda: the training prompts + Magpie conversations, 256 rows  (GPU_TRAIN_DATA_MIN, 3.5)
 #   2. specloom train eagle3 --device cuda: warm start from the last target layer, TTT unroll 5, draft vocabulary
-#      from 99 % answer-token coverage (at most 4096: the file stays under 16 MB)           (GPU_TRAIN_EAGLE_MIN, 3.5)
+#      from 99 % answer-token coverage (at most 4096: the file stays under 16 MB), or from GPU_TRAIN_INIT with its
+#      own vocabulary; the learning rate decays over the phase's minutes            (GPU_TRAIN_EAGLE_MIN, 3.5)
 #   3. specloom train dspark --device cuda, if GPU_TRAIN_DSPARK_MIN > 0                     (default 1.5)
 # Then every weight file is checked against the 16 MB limit and the held-out figures are printed. Bring OUTDIR
 # back, measure the drafters on CPU (specloom bench) and bundle them only if they win.
@@ -42,12 +43,13 @@ if [ $SMOKE -eq 1 ]; then
     DATA_MIN=${GPU_TRAIN_DATA_MIN:-1}; EAGLE_MIN=${GPU_TRAIN_EAGLE_MIN:-1}; DSPARK_MIN=${GPU_TRAIN_DSPARK_MIN:-1}
     DATA_ARGS=(--max-new-tokens 8 --rows 8 --limit 16 --shard-tokens 200)
     MAGPIE=${GPU_TRAIN_MAGPIE:-0}
-    TRAIN_ARGS=(--steps 4 --tokens-per-batch 256 --save-every 2 --eval-every 2 --warmup 1)
+    TRAIN_ARGS=(--steps 4 --tokens-per-batch 256 --save-every 2 --eval-every 2 --warmup 1 --anneal-by-time)
     VOCAB=(--draft-vocab 64)
 else
     DATA_MIN=${GPU_TRAIN_DATA_MIN:-3.5}; EAGLE_MIN=${GPU_TRAIN_EAGLE_MIN:-3.5}; DSPARK_MIN=${GPU_TRAIN_DSPARK_MIN:-1.5}
     DATA_ARGS=(--max-new-tokens 256 --rows 256)
-    TRAIN_ARGS=(--epochs 4 --tokens-per-batch 16384 --save-every 50 --eval-every 100 --warmup 30)
+    # the learning rate decays over each phase's minutes (a lent GPU's run ends by the clock, annealed)
+    TRAIN_ARGS=(--epochs 4 --tokens-per-batch 16384 --save-every 50 --eval-every 100 --warmup 30 --anneal-by-time)
     VOCAB=(--draft-vocab 4096 --draft-vocab-coverage 0.99)
 fi
 FAILED=0
@@ -76,11 +78,12 @@ else
 fi
 if [ -n "${GPU_TRAIN_INIT:-}" ]; then
     START=(--init-from "$GPU_TRAIN_INIT" --ttt-steps 4 --lr 5e-4)
+    VOCAB=()  # continuing a drafter keeps its own draft vocabulary: every head row carries over
 else
     START=(--warm-start-layer -1 --ttt-steps 5 --lr 1e-3)
 fi
 run "train eagle3" "$PY" -m specloom train eagle3 --target "$TARGET" --data "$DATA" --out "$OUT/eagle3" \
-    --device "$DEV" --max-minutes "$EAGLE_MIN" "${START[@]}" "${VOCAB[@]}" "${TRAIN_ARGS[@]}"
+    --device "$DEV" --max-minutes "$EAGLE_MIN" "${START[@]}" ${VOCAB[@]+"${VOCAB[@]}"} "${TRAIN_ARGS[@]}"
 if [ "$DSPARK_MIN" != 0 ]; then
     run "train dspark" "$PY" -m specloom train dspark --target "$TARGET" --data "$DATA" --out "$OUT/dspark" \
         --device "$DEV" --max-minutes "$DSPARK_MIN" --lr 2e-3 "${TRAIN_ARGS[@]}"

@@ -272,6 +272,29 @@ def test_eagle3_init_from_keeps_its_vocabulary_and_new_rows_start_at_the_mean(da
         torch.testing.assert_close(mb.lm_head.weight[i].float(), mean, atol=1e-3, rtol=1e-2)
 
 
+def test_anneal_by_time_ends_a_time_limited_run_at_the_floor_rate(dataset, capsys):
+    """`--anneal-by-time`: a run cut by --max-minutes long before its --steps still decays its learning rate to
+    the floor (0.1 x lr) as the time runs out; without it the rate would still be near the peak. It needs
+    --max-minutes (one clear line otherwise)."""
+    from specloom.training.common import _lr_at
+
+    assert _lr_at(50, 1000, 1.0, 10) > 0.95  # by steps: barely decayed
+    assert _lr_at(50, 1000, 1.0, 10, time_frac=1.0) == pytest.approx(0.1)  # the time budget spent: the floor
+    assert _lr_at(5, 1000, 1.0, 10, time_frac=1.0) == pytest.approx(0.6)  # warm-up is by steps
+    t, data, root = dataset
+    out = str(root / "e3_timed")
+    args = ["train", "eagle3", "--target", t.path, "--data", data, "--out", out, "--steps", "100000", "--lr", "1e-3",
+            "--tokens-per-batch", "256", "--warmup", "2", "--draft-vocab", "32", "--ttt-steps", "1",
+            "--save-every", "1000", "--max-minutes", "0.04", "--anneal-by-time"]
+    assert main(args) == 0
+    hist = json.load(open(os.path.join(out, "history.json")))
+    assert 5 < len(hist) < 100000
+    assert hist[-1]["lr"] < 2.5e-4 < 9e-4 < max(h["lr"] for h in hist)  # from near the peak down near the floor
+    rc = main(["train", "eagle3", "--target", t.path, "--data", data, "--out", str(root / "e3_timed2"),
+               "--steps", "2", "--anneal-by-time"])
+    assert rc == 2 and "give --max-minutes" in capsys.readouterr().err
+
+
 def test_finetune_target_keeps_embedding_and_head_and_moves_behaviour(dataset, capsys):
     """`train target --init-from` fine-tunes the existing target on answer tokens: the loss falls, the output is a
     HF directory specloom loads, the embedding/head (so the structural fingerprint) stay, `--train-layers 1` leaves

@@ -38,6 +38,9 @@ def add(sub) -> None:
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop training after this long (then evaluate and save as at the end)")
+    p.add_argument("--anneal-by-time", action="store_true",
+                   help="with --max-minutes: the learning rate decays over the time budget where that ends before "
+                        "the steps do (a time-limited run, e.g. on a lent GPU, ends annealed)")
     p.add_argument("--eval-every", type=int, default=0, metavar="N",
                    help="held-out evaluation every N steps (the learning curve in evals.json and the manifest)")
     p.add_argument("--save-every", type=positive_int, default=100)

@@ -202,15 +202,23 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
                             lambda group: to_device(data.collate(distributed.shard(group), 1024), dev),
                             batches_per_epoch, step, stop)
     # sync_grads: the global batch's gradient on every process
+    spent = None
+    if getattr(args, "anneal_by_time", False):
+        if not limit:
+            raise SpecloomError("--anneal-by-time decays the learning rate over --max-minutes: give --max-minutes")
+        if world > 1:  # each process would read its own clock, and the replicas' learning rates would part
+            raise SpecloomError("--anneal-by-time runs in one process (not under torchrun)")
+        spent = lambda: (time.perf_counter() - t0) / (60 * limit)  # noqa: E731
     for step, batch, loss, metrics in fit(opt, params, batches, tr.loss, total=total, lr=args.lr, warmup=args.warmup,
                                           device=dev, bf16=args.bf16, clip=0.5, step=step,
-                                          sync=distributed.sync_grads):
+                                          sync=distributed.sync_grads, spent=spent):
         # the processes' partial losses and metrics add up to the global batch's
         loss_v, n_seen, *values = distributed.sum_values(
             [float(loss), int(batch["loss_mask"].sum()), *metrics.values()])
         seen += int(n_seen)
         metrics = dict(zip(metrics, values))
-        history.append({"step": step, "loss": loss_v, "answer_tokens_seen": seen, **metrics})
+        history.append({"step": step, "loss": loss_v, "answer_tokens_seen": seen, "lr": opt.param_groups[0]["lr"],
+                        **metrics})
         if args.eval_every and step % args.eval_every == 0 and step < total:
             if main:  # rank 0 evaluates the whole held-out set; the others go on to the next batch and wait
                 tr.model.eval()

@@ -156,10 +156,12 @@ def optimizer_step(opt, params: list, loss: torch.Tensor, clip: float, sync=None
     opt.step()
 
 
-def _lr_at(step: int, total: int, lr: float, warmup: int) -> float:
+def _lr_at(step: int, total: int, lr: float, warmup: int, time_frac: float = 0.0) -> float:
+    """Linear warm-up, then cosine decay to 0.1 x lr over the remaining steps -- or over the remaining time, where
+    `time_frac` (the share of a time budget spent: `--anneal-by-time`) is further along."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
+    frac = max((step - warmup) / max(1, total - warmup), time_frac)
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 

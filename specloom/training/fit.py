@@ -36,14 +36,18 @@ def epoch_batches(groups_of_epoch: Callable[[int], list], collate: Callable, per
 
 
 def fit(opt, params: list, batches: Iterator, loss_of: Callable, *, total: int, lr: float, warmup: int,
-        device: torch.device, bf16: bool, clip: float, step: int = 0, sync=None) -> Iterator:
-    """Optimizer steps from `step` to `total` over `batches`; yields (step, batch, loss, metrics) after each."""
+        device: torch.device, bf16: bool, clip: float, step: int = 0, sync=None,
+        spent: Callable[[], float] | None = None) -> Iterator:
+    """Optimizer steps from `step` to `total` over `batches`; yields (step, batch, loss, metrics) after each.
+    `spent()`: the share of a time budget used so far -- the schedule then decays by time where that is further
+    along than the steps (a run cut by a time limit ends at the floor learning rate)."""
     while step < total:
         batch = next(batches, None)
         if batch is None:
             return
+        frac = min(spent(), 1.0) if spent is not None else 0.0
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, total, lr, warmup)
+            g["lr"] = _lr_at(step, total, lr, warmup, frac)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, metrics = loss_of(batch)
         optimizer_step(opt, params, loss, clip, sync=sync)
