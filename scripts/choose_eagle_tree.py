@@ -6,7 +6,7 @@ specloom/bench/eagle_shape.py); optionally store it in the drafter's config.json
     python scripts/choose_eagle_tree.py smollm2-135m [--method eagle3] [--model DIR] \
         [--prompts ../shared/data/train/arena-hard-v2.jsonl:8 ../shared/data/train/mbpp.jsonl:1 ...] \
         [--num-prompts 8] [--max-tokens 96] \
-        [--threads N] [--refresh-curve] [--json out/tree_choice.json] [--write]
+        [--threads N] [--refresh-curve] [--json out/tree_choice.json] [--write [--keep-shape]]
 
 Calibration prompts are training prompts (never the benchmark set). Without --model the bundled drafter is used
 (and written, with --write).
@@ -88,6 +88,10 @@ def main() -> None:
     ap.add_argument("--refresh-curve", action="store_true", help="measure the verify-cost curve again")
     ap.add_argument("--json", default=None)
     ap.add_argument("--write", action="store_true")
+    ap.add_argument("--keep-shape", action="store_true",
+                    help="with --write: store the shape table (what every host re-chooses from) but keep the "
+                         "drafter's default shape (e.g. a retrained drafter measured on another host than its "
+                         "default was chosen on)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -138,7 +142,9 @@ def main() -> None:
         path = os.path.join(find_drafter_dir(a.model, a.method, engine.model.config), "config.json")
         with open(path) as f:
             raw = json.load(f)
-        raw.setdefault("specloom", {}).update(choice, tree_choice=compact(info, table))
+        keep = {k: raw.get("specloom", {}).get(k) for k in ("depth", "tree_width", "num_draft_tokens")}
+        raw.setdefault("specloom", {}).update(keep if a.keep_shape and all(keep.values()) else choice,
+                                              tree_choice=compact(info, table))
         with open(path, "w") as f:
             json.dump(raw, f, indent=1)
         print("written to", path, file=sys.stderr)
