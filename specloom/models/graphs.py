@@ -41,6 +41,14 @@ MAX_WIDTH = 32  # the widest pass replayed (a draft tree of 31 nodes); wider one
 MAX_GRAPHS = 64  # graphs kept per store ((row, width, captured states) each); passes beyond them run eagerly
 
 
+def prebuild_rope(rope, length: int, dtype, device) -> None:
+    """Build `rope`'s tables to cover positions < `length` in `dtype` on `device` (a graph reads them through
+    `Rope.lookup` and cannot grow them)."""
+    t = rope.cos_table
+    if t is None or t.shape[0] < length or t.dtype != dtype or t.device != torch.device(device):
+        rope(torch.tensor([[length - 1]], device=device), dtype)
+
+
 def enabled(model) -> bool:
     """Whether `model`'s single-row passes replay as CUDA graphs here."""
     return (model.device.type == "cuda" and os.environ.get("SPECLOOM_CUDA_GRAPHS", "1") != "0"
@@ -107,7 +115,8 @@ class _Graph:
         self.tok = torch.zeros(1, T, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, T, dtype=torch.long, device=dev)
         self.start = torch.zeros(1, dtype=torch.long, device=dev)
-        self.mask = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        self.causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        self.mask = self.causal.clone()
         self.pass_ = StaticPass(kv, row, T, self.start)
         self.model, self.capture = model, capture
         self.graph = None
@@ -125,7 +134,6 @@ class GraphedPasses:
         self.graphs: dict[tuple, _Graph] = {}
         self.pool = None
         self.failed = False
-        self._ropes_ready = False
         self.runs = 0  # passes run through a static pass (replayed, or eagerly where capture is off)
 
     def applies(self, p, attn_mask: torch.Tensor | None) -> bool:
@@ -149,11 +157,9 @@ class GraphedPasses:
         g.tok.copy_(tokens)
         g.pos.copy_(positions)
         g.start.fill_(p.start)
-        if attn_mask is None:
-            g.mask.copy_(torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril())
-        else:
-            g.mask.copy_(attn_mask.reshape(T, T))
-        self._prepare_ropes()
+        g.mask.copy_(g.causal if attn_mask is None else attn_mask.reshape(T, T))
+        for rope in self.model.ropes.values():
+            prebuild_rope(rope, self.kv.max_len, self.model.dtype, self.model.device)
         if not self.capture_graphs:
             return g.run_eager()
         if g.graph is None and not self._capture(g):
@@ -161,16 +167,6 @@ class GraphedPasses:
             return g.run_eager()
         g.graph.replay()
         return g.out
-
-    def _prepare_ropes(self) -> None:
-        """Build every RoPE table for the store's whole length (a graph cannot grow them)."""
-        if self._ropes_ready:
-            return
-        m = self.model
-        last = torch.tensor([[self.kv.max_len - 1]], device=m.device)
-        for rope in m.ropes.values():
-            rope(last, m.dtype)
-        self._ropes_ready = True
 
     def _capture(self, g: _Graph) -> bool:
         if self.pool is None:

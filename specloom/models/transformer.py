@@ -103,9 +103,8 @@ class DecoderLM(nn.Module):
 
     def _context(self, positions: torch.Tensor, kv, attn_mask: torch.Tensor | None) -> AttentionContext:
         kvp = kv.open(positions.shape[1])  # a store (every active row) or a pass over some of its rows
-        static = getattr(kvp, "static_context", None)
-        if static is not None:  # a pass replayed as a CUDA graph (models/graphs.py): built on the device
-            return static(self, positions, attn_mask)
+        if getattr(kvp, "static", False):  # a pass replayed as a CUDA graph (models/graphs.py): built on the device
+            return kvp.static_context(self, positions, attn_mask)
         cos_sin = {kind: self.ropes[kind if kind in self.ropes else "full"](positions, self.dtype)
                    for kind in self.layer_kinds}
         return attention_context(kvp, positions, attn_mask, cos_sin, self.config.sliding_window, self.layer_kinds,

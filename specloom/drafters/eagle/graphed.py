@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ...models.graphs import StaticPass, capture, enabled
+from ...models.graphs import StaticPass, capture, enabled, prebuild_rope
 from ..rows import kept_nodes, kept_trees
 
 M_MAX = 8  # catch-up rows a replayed step takes (a longer catch-up, after idle steps, runs eagerly)
@@ -67,7 +67,9 @@ class _Step:
         if not capture_graphs or self.failed:
             return self.run()
         if self.graph is None:
-            pool = self.store.__dict__.setdefault("_eagle_pool", torch.cuda.graph_pool_handle())
+            pool = self.store.__dict__.get("_eagle_pool")
+            if pool is None:
+                pool = self.store.__dict__["_eagle_pool"] = torch.cuda.graph_pool_handle()
             captured = capture(self.run, pool, "EAGLE drafting steps of this shape")
             if captured is None:
                 self.failed = True
@@ -96,7 +98,7 @@ def propose(drafter, ctx, capture_graphs: bool = True):
         if len(steps) >= MAX_STEPS:
             return None
         step = steps[key] = _Step(drafter, ctx, store, m, ctx.k, budget)
-    _ropes(drafter, store)
+    prebuild_rope(drafter.model.rope, store.max_len + 64, drafter.model.dtype, store.device)
     feats = drafter._take_feats([ctx])[0]
     step.feats.copy_(feats[None])
     step.tok.copy_(torch.tensor([ctx.tokens[stable + 1:ctx.root_position + 1]]))
@@ -107,12 +109,3 @@ def propose(drafter, ctx, capture_graphs: bool = True):
     store.begin([ctx.row], [m])  # the books: the catch-up's rows kept, the tree rows (written past them) dropped
     store.commit()
     return kept_trees([ctx], out, step.n_keep)
-
-
-def _ropes(drafter, store) -> None:
-    """The drafter's RoPE tables built past the store's length (a graph cannot grow them)."""
-    rope = drafter.model.rope
-    need = store.max_len + 64
-    if rope.cos_table is None or rope.cos_table.shape[0] < need or rope.cos_table.dtype != drafter.model.dtype \
-            or rope.cos_table.device != store.device:
-        rope(torch.tensor([[need - 1]], device=store.device), drafter.model.dtype)
