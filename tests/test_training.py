@@ -272,6 +272,37 @@ def test_eagle3_init_from_keeps_its_vocabulary_and_new_rows_start_at_the_mean(da
         torch.testing.assert_close(mb.lm_head.weight[i].float(), mean, atol=1e-3, rtol=1e-2)
 
 
+def test_init_from_carries_the_source_tree_shape_not_its_measurement(dataset, capsys):
+    """A drafter continued with `--init-from` decodes with its source's tuned tree (depth, width, nodes, shape
+    table), not the kind's generic 6-deep 24-node default; the source's measured tau is not carried over."""
+    import json
+
+    from specloom.drafters.checkpoint import carried_settings
+    from specloom.drafters import create_drafter
+    from specloom.speculative import SpeculativeConfig
+
+    t, data, root = dataset
+    a = str(root / "e3_shape_src")
+    _train(t, data, a, "eagle3", "--draft-vocab", "24", "--ttt-steps", "1", "--steps", "1")
+    cfg_path = root / "e3_shape_src" / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    table = {"shapes": [[2, 4, 4, 1.9, 2.0], [1, 1, 1, 1.5, 1.0]], "costs": {"c0": 0.05, "c1": {"1": 0.1, "4": 0.12}}}
+    raw["specloom"].update(depth=2, tree_width=4, num_draft_tokens=4, tree_choice=table,
+                           measured={"mean_accepted_length": 1.9})
+    cfg_path.write_text(json.dumps(raw))
+    assert carried_settings(a, "eagle") == {}  # another kind's settings are not taken
+    out = str(root / "e3_shape_cont")
+    assert main(["train", "eagle3", "--target", t.path, "--data", data, "--steps", "1", "--tokens-per-batch", "256",
+                 "--warmup", "1", "--ttt-steps", "1", "--init-from", a, "--out", out]) == 0
+    assert "decoding settings carried from" in capsys.readouterr().err
+    block = json.loads((root / "e3_shape_cont" / "config.json").read_text())["specloom"]
+    assert (block["depth"], block["tree_width"], block["num_draft_tokens"]) == (2, 4, 4)
+    assert block["tree_choice"] == table and block["settings_from"] == a
+    assert "measured" not in block
+    d = create_drafter(SpeculativeConfig.parse({"method": "eagle3", "model": out}), t.model, t.tokenizer)
+    assert (d.depth, d.width, d.num_nodes) == (2, 4, 4) and d.shape_table is not None
+
+
 def test_anneal_by_time_ends_a_time_limited_run_at_the_floor_rate(dataset, capsys):
     """`--anneal-by-time`: a run cut by --max-minutes long before its --steps still decays its learning rate to
     the floor (0.1 x lr) as the time runs out; without it the rate would still be near the peak. It needs

@@ -249,6 +249,28 @@ def init_from_checkpoint(model, path: str, kind: str, target, tokenizer) -> None
                            for k, v in other.state_dict().items() if k in own})
 
 
+# a checkpoint's decoding settings (not its weights, not its measurements): the tree shape and depth it decodes
+# with by default and the shape table a host re-chooses the tree from (scripts/choose_eagle_tree.py, Medusa's tuning)
+DECODING_SETTINGS = ("depth", "tree_width", "num_draft_tokens", "tree_choice", "tree_tuning")
+
+
+def carried_settings(path: str, kind: str) -> dict:
+    """The decoding settings of the `kind` checkpoint directory a training started from (`--init-from`), for the
+    checkpoint it writes: a continued drafter decodes with its source's tuned tree, not the kind's generic default
+    (an EAGLE-3 continued from the bundled one fell back to a 6-deep 24-node tree: 0.49x on a CPU host). Its
+    measured tau is not carried (it belongs to the old weights); `settings_from` names the source. Empty where
+    the source is another kind, has none, or is not a readable directory."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            block = json.load(f).get("specloom") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(block, dict) or block.get("kind") != kind:
+        return {}
+    out = {k: block[k] for k in DECODING_SETTINGS if k in block}
+    return {**out, "settings_from": path} if out else {}
+
+
 def take(tensors: dict, name: str, shape: tuple, where: str) -> torch.Tensor:
     """A tensor by name with the shape the config implies, or a clear error naming it."""
     if name not in tensors:

@@ -266,6 +266,14 @@ def _finish(tr, data, eval_idx, args, target, tokenizer, history, evals, step, s
         "learning_curve": evals, **({"processes": distributed.world()} if distributed.world() > 1 else {}),
     })
     meta.update(tr.extra_meta(data, eval_idx))
+    if getattr(args, "init_from", None):
+        from ..drafters.checkpoint import carried_settings
+
+        carried = carried_settings(args.init_from, args.kind)
+        if carried:
+            meta.update(carried)
+            print(f"specloom train {args.kind}: decoding settings carried from {args.init_from} "
+                  f"({', '.join(k for k in carried if k != 'settings_from')})", file=sys.stderr, flush=True)
     tr.save(args.out, meta)
     _plot_losses(history, os.path.join(args.out, "loss.png"), args.kind)
     write_json(os.path.join(args.out, "history.json"), history)
