@@ -333,6 +333,37 @@ def test_block_tree_is_the_beam_over_slots(blocks):
     assert tau[1] >= tau[0], tau
 
 
+def test_block_checkpoint_carries_a_default_tree(blocks, tmp_path):
+    """A block drafter's checkpoint may name its default tree (`specloom.tree_width`, `num_draft_tokens`, as an
+    EAGLE checkpoint does): used where the request names none, overridden by the request's tree settings, and a
+    confidence cut asked for (by the request, or the checkpoint's own threshold) drafts a chain; the output stays
+    the target's own; a bad value is one clear line."""
+    t, paths = blocks
+    own = tmp_path / "dspark_tree"
+    shutil.copytree(paths["dspark"], own)
+    raw = json.load(open(own / "config.json"))
+    block = raw.get("specloom_dspark") or raw["specloom"]
+    block.update(tree_width=3, num_draft_tokens=7)
+    json.dump(raw, open(own / "config.json", "w"))
+    e = engine(t, str(own), "dspark")
+    assert (e.drafter.width, e.drafter.num_nodes) == (3, 7)
+    ref = plain(t, PROMPTS[0])
+    out = e.generate(prompt_token_ids=PROMPTS[0], max_tokens=N, ignore_eos=True)
+    assert out.token_ids == ref.token_ids
+    assert (engine(t, str(own), "dspark", tree_width=2).drafter.num_nodes) == min(4 * 2, 4 * 4)  # the request's shape
+    assert engine(t, str(own), "dspark", tree_width=2, num_draft_tokens=5).drafter.num_nodes == 5
+    cut = engine(t, str(own), "dspark", confidence_threshold=0.5).drafter
+    assert (cut.width, cut.num_nodes, cut.threshold) == (1, None, 0.5)
+    block.update(confidence_threshold=0.4)
+    json.dump(raw, open(own / "config.json", "w"))
+    assert engine(t, str(own), "dspark").drafter.width == 1
+    block.update(confidence_threshold=0.0, tree_width="wide")
+    json.dump(raw, open(own / "config.json", "w"))
+    with pytest.raises(SpecloomError, match="tree_width must be an integer") as err:
+        engine(t, str(own), "dspark")
+    assert "\n" not in str(err.value)
+
+
 def _target_copy(t, dst, index: bool = False) -> str:
     shutil.copytree(t.path, dst)
     if index:

@@ -38,7 +38,7 @@ import os
 
 import torch
 
-from ...config_fields import float_field
+from ...config_fields import float_field, int_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
 from ..base import TREE_KEYS, DraftContext, Drafter, float_key, register
@@ -72,8 +72,10 @@ class BlockDrafter(Drafter):
         return find_drafter_dir(spec.model, cls.method, target_config)
 
     @classmethod
-    def _settings(cls, spec, cfg, meta, path) -> tuple[int, float]:
-        """(drafts per step, confidence threshold) from the settings and the checkpoint; SpecloomError if bad."""
+    def _settings(cls, spec, cfg, meta, path) -> tuple[int, float, int, int | None]:
+        """(drafts per step, confidence threshold, tree width, tree nodes) from the settings and the checkpoint
+        (its `specloom` block may carry a default tree: `tree_width`, `num_draft_tokens`, as EAGLE's does; a
+        confidence threshold the request sets asks for a chain instead); SpecloomError if bad."""
         n = cfg.num_drafts
         k = spec.num_speculative_tokens
         if k is not None and k > n:
@@ -84,18 +86,28 @@ class BlockDrafter(Drafter):
         if th is not None and th > 0 and not cfg.confidence_head:
             raise SpecloomError(f"{path}: confidence_threshold needs a drafter with a confidence head; this "
                                 f"{cls.method} checkpoint has none")
+        what = f"{path}: {cls.method} drafter config"
+        own_width = int_field(meta, "tree_width", 1, prefix="specloom.", what=what, bound="draft_depth")
+        own_nodes = int_field(meta, "num_draft_tokens", None, prefix="specloom.", what=what, bound="draft_depth")
         if th is None:
             th = float_field(meta, "confidence_threshold", 0.0, positive=False, prefix="specloom.",
-                             what=f"{path}: {cls.method} drafter config") if cfg.confidence_head else 0.0
-        width = getattr(spec, "tree_width", None) or 1
+                             what=what) if cfg.confidence_head else 0.0
+            if th > 0:
+                own_width = 1  # the checkpoint's own cut wins over its tree (both are its defaults)
+        elif th > 0:
+            own_width = 1  # the request's cut: a chain
+        width = getattr(spec, "tree_width", None) or own_width
         if width > 1 and th > 0:
             raise SpecloomError(f"{path}: confidence_threshold cuts a chain; with tree_width {width} the tree's node "
                                 "budget (num_draft_tokens) bounds the drafts instead -- set confidence_threshold 0 "
                                 "or tree_width 1")
-        if getattr(spec, "num_draft_tokens", None) and width == 1:
+        nodes = getattr(spec, "num_draft_tokens", None)
+        if nodes and width == 1:
             raise SpecloomError(f"{path}: num_draft_tokens sizes a tree; give tree_width > 1 with it (a chain drafts "
                                 "num_speculative_tokens)")
-        return k or n, th
+        if width > 1 and not nodes and own_width > 1 and not getattr(spec, "tree_width", None):
+            nodes = own_nodes
+        return k or n, th, width, nodes
 
     @classmethod
     def _resolve(cls, spec, target_config):
@@ -118,10 +130,10 @@ class BlockDrafter(Drafter):
         from ..checkpoint import check_target
 
         path, raw, cfg, meta = cls._resolve(spec, target.config)
-        k, th = cls._settings(spec, cfg, meta, path)
+        k, th, width, nodes = cls._settings(spec, cfg, meta, path)
         model = build_block(path, raw, target, cls.method)
         check_target(meta, target, tokenizer, path)
-        d = cls(model, k, th, getattr(spec, "tree_width", None) or 1, getattr(spec, "num_draft_tokens", None))
+        d = cls(model, k, th, width, nodes)
         d.checkpoint = {"path": path, "meta": meta}
         return d
 
