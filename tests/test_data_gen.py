@@ -186,6 +186,39 @@ def test_recomputed_hidden_states_equal_a_direct_forward(tiny, tmp_path):
             torch.testing.assert_close(got.float(), ref.hidden[c][0].float(), atol=1e-3, rtol=8e-3)  # bf16 rounding
 
 
+def test_cache_only_keeps_the_named_sequences(tiny, tmp_path, monkeypatch):
+    """`cache_only` (set by `specloom train` for a run of one pass over its data under the default budget: the
+    held-out sequences, which evaluations re-read) keeps those sequences' states and no others; a run of several
+    epochs, or one given --cache-hidden-gb, keeps any."""
+    from specloom.jobs import train as J
+    from specloom.training.dataset import DistillData
+
+    t, out = _small_data(tiny, tmp_path)
+    L = t.model.config.num_layers
+    data = DistillData(out, (1, L))
+    data.attach(t.model, cache_bytes=1 << 30)
+    data.cache_only = {1}
+    data.collate(list(range(len(data.seqs))), 1024)
+    assert [i for i, s in enumerate(data.seqs) if s[2] is not None] == [1]
+    seen = []
+    orig = DistillData.split
+
+    def spy(self, *a, **k):
+        seen.append(self)
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(DistillData, "split", spy)
+    base = ["train", "medusa", "--target", t.path, "--data", out, "--tokens-per-batch", "64", "--warmup", "1",
+            "--medusa-heads", "1", "--eval-fraction", "0.3"]
+    for extra, one_pass in ((["--steps", "1"], True), (["--epochs", "2"], False),
+                            (["--steps", "1", "--cache-hidden-gb", "1"], False)):
+        seen.clear()
+        assert main(base + extra + ["--out", str(tmp_path / f"m{len(extra)}{one_pass}")]) == 0
+        d = seen[0]
+        _, held = orig(d, 0.3, 0)
+        assert (d.cache_only == set(held)) if one_pass else d.cache_only is None
+
+
 def test_recomputed_states_are_kept_within_the_budget_and_reread(tiny, tmp_path):
     """Later epochs read the states an earlier batch recomputed (equal to a fresh recompute), only within the
     memory budget; a budget of 0 keeps nothing; mixed groups (some kept, some not) recompute only the missing."""

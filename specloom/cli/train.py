@@ -34,7 +34,8 @@ def add(sub) -> None:
     p.add_argument("--max-data-tokens", type=positive_int, default=None, help="read only this many tokens")
     p.add_argument("--cache-hidden-gb", type=float, default=None,
                    help="tokens-only data: keep up to this many GB of recomputed hidden states in memory for later "
-                        "epochs (default: half the memory available at start; 0: recompute every batch)")
+                        "epochs (default: half the memory available at start -- in a run of one pass over the "
+                        "data only the held-out sequences' states; 0: recompute every batch)")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop training after this long (then evaluate and save as at the end)")

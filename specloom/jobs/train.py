@@ -38,7 +38,8 @@ RESUME_KEYS = ("kind", "lr", "tokens_per_batch", "ttt_steps", "draft_vocab", "lo
 
 def _cache_bytes(args) -> int:
     """Memory for recomputed hidden states: --cache-hidden-gb (per process), or half of what is available now,
-    shared by the training processes on this machine (torchrun's LOCAL_WORLD_SIZE)."""
+    shared by the training processes on this machine (torchrun's LOCAL_WORLD_SIZE); by default a run that makes
+    one pass over its data keeps only the held-out sequences' states (`_train`)."""
     gb = getattr(args, "cache_hidden_gb", None)
     if gb is not None:
         if gb < 0:
@@ -155,6 +156,11 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
     distributed.check_split(train_groups, [len(t) for t, _, _ in data.seqs], args.tokens_per_batch)
     batches_per_epoch = len(train_groups)
     total = args.steps or batches_per_epoch * args.epochs
+    if getattr(args, "cache_hidden_gb", None) is None and total <= batches_per_epoch:
+        # one pass over the data: no training sequence comes back, so the default cache keeps only the held-out
+        # ones the periodic evaluations re-read (it had filled half the memory with states never read again:
+        # two such trainings on one machine were OOM-killed)
+        data.cache_only = set(eval_idx)
     step, history, evals, seen = 0, [], [], 0
     settings = {k: getattr(args, k, None) for k in RESUME_KEYS}
     rank, world = distributed.rank(), distributed.world()

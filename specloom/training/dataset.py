@@ -67,6 +67,7 @@ class DistillData:
         self.ids = ids
         self.target = None
         self.cache_budget = 0  # bytes of recomputed hidden states kept for later epochs (`keep_recomputed`)
+        self.cache_only: set[int] | None = None  # if set, only these sequences' states are kept
         self.cached_bytes = 0
 
     def attach(self, target, cache_bytes: int = 0) -> None:
@@ -147,7 +148,8 @@ class DistillData:
                 i = group[r]
                 n = min(len(self.seqs[i][0]), T)
                 size = n * sum(fresh[c].shape[-1] for c in self.ids) * 2
-                if n == len(self.seqs[i][0]) and self.cached_bytes + size <= self.cache_budget:
+                if (n == len(self.seqs[i][0]) and self.cached_bytes + size <= self.cache_budget
+                        and (self.cache_only is None or i in self.cache_only)):
                     t, m, _ = self.seqs[i]
                     self.seqs[i] = (t, m, {c: fresh[c][k, :n].to("cpu", copy=True) for c in self.ids})
                     self.cached_bytes += size
