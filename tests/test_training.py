@@ -326,6 +326,27 @@ def test_anneal_by_time_ends_a_time_limited_run_at_the_floor_rate(dataset, capsy
     assert rc == 2 and "give --max-minutes" in capsys.readouterr().err
 
 
+def test_a_time_limited_run_resumes_within_its_budget(dataset):
+    """--max-minutes is a run's budget across resumes: its checkpoint records the time spent, so rerunning the
+    same command after the budget ran out goes on at the annealed rate for what little is left (it used to start
+    a fresh budget and a fresh time-annealed schedule from near the peak rate)."""
+    t, data, root = dataset
+    out = str(root / "e3_timed_resume")
+    args = ["train", "eagle3", "--target", t.path, "--data", data, "--out", out, "--steps", "100000", "--lr", "1e-3",
+            "--tokens-per-batch", "256", "--warmup", "2", "--draft-vocab", "32", "--ttt-steps", "1",
+            "--save-every", "1", "--max-minutes", "0.03", "--anneal-by-time"]
+    assert main(args) == 0
+    first = json.load(open(os.path.join(out, "history.json")))
+    st = torch.load(os.path.join(out, "train_state.pt"), map_location="cpu", weights_only=False)
+    assert st["step"] == len(first) and 0 < st["spent_s"] <= 0.03 * 60 + 5
+    assert main(args) == 0
+    again = json.load(open(os.path.join(out, "history.json")))
+    assert again[:len(first)] == first
+    # at most the sliver of budget left after the last checkpoint, at the annealed rate (a fresh budget would
+    # restart the schedule near the 1e-3 peak)
+    assert all(h["lr"] < 2.5e-4 for h in again[len(first):])
+
+
 def test_finetune_target_keeps_embedding_and_head_and_moves_behaviour(dataset, capsys):
     """`train target --init-from` fine-tunes the existing target on answer tokens: the loss falls, the output is a
     HF directory specloom loads, the embedding/head (so the structural fingerprint) stay, `--train-layers 1` leaves

@@ -38,7 +38,8 @@ def add(sub) -> None:
                         "data only the held-out sequences' states; 0: recompute every batch)")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="stop training after this long (then evaluate and save as at the end)")
+                   help="stop training after this long in all (a resumed run goes on with what is left), then "
+                        "evaluate and save as at the end")
     p.add_argument("--anneal-by-time", action="store_true",
                    help="with --max-minutes: the learning rate decays over the time budget where that ends before "
                         "the steps do (a time-limited run, e.g. on a lent GPU, ends annealed)")

@@ -162,6 +162,7 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
         # two such trainings on one machine were OOM-killed)
         data.cache_only = set(eval_idx)
     step, history, evals, seen = 0, [], [], 0
+    before = 0.0  # seconds a resumed run had already spent of its --max-minutes budget
     settings = {k: getattr(args, k, None) for k in RESUME_KEYS}
     rank, world = distributed.rank(), distributed.world()
     if rank:  # row / anchor sampling: each process its own stream (rank 0's is the one-process run's)
@@ -177,6 +178,7 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
         opt.load_state_dict(st["opt"])
         step, history = st["step"], st["history"]
         evals, seen = st.get("evals", []), st.get("seen", 0)
+        before = float(st.get("spent_s", 0.0))  # rerunning the same command continues its time budget
         gens = st.get("gens") or [st["gen"]]
         if len(gens) == world:
             tr.gen.set_state(gens[rank])
@@ -195,7 +197,10 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
     t0 = time.perf_counter()
     limit = getattr(args, "max_minutes", None)
     # --max-minutes: every process stops at the same step (rank 0's clock decides)
-    timed_out = lambda: bool(limit) and distributed.any_rank(main and time.perf_counter() - t0 > 60 * limit)  # noqa: E731
+    # --max-minutes is the run's budget across resumes (a killed run rerun with the same command goes on where it
+    # stopped, its time-annealed learning rate too)
+    used = lambda: before + time.perf_counter() - t0  # noqa: E731
+    timed_out = lambda: bool(limit) and distributed.any_rank(main and used() > 60 * limit)  # noqa: E731
     stopped = []  # --max-minutes: the batches end before the next one
 
     def stop() -> bool:
@@ -214,7 +219,7 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
             raise SpecloomError("--anneal-by-time decays the learning rate over --max-minutes: give --max-minutes")
         if world > 1:  # each process would read its own clock, and the replicas' learning rates would part
             raise SpecloomError("--anneal-by-time runs in one process (not under torchrun)")
-        spent = lambda: (time.perf_counter() - t0) / (60 * limit)  # noqa: E731
+        spent = lambda: used() / (60 * limit)  # noqa: E731
     for step, batch, loss, metrics in fit(opt, params, batches, tr.loss, total=total, lr=args.lr, warmup=args.warmup,
                                           device=dev, bf16=args.bf16, clip=0.5, step=step,
                                           sync=distributed.sync_grads, spent=spent):
@@ -242,7 +247,8 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
                 with replacing(state_path) as tmp:
                     torch.save({"model": tr.model.state_dict(), "opt": opt.state_dict(), "step": step,
                                 "history": history, "gen": tr.gen.get_state(), "evals": evals, "seen": seen,
-                                "settings": settings, **({"gens": gens} if world > 1 else {})}, tmp)
+                                "settings": settings, "spent_s": used(),
+                                **({"gens": gens} if world > 1 else {})}, tmp)
     if stopped:
         print(f"\nspecloom train {args.kind}: --max-minutes reached at step {step}/{total}", file=sys.stderr)
     bar.close()
