@@ -303,6 +303,13 @@ def test_init_from_carries_the_source_tree_shape_not_its_measurement(dataset, ca
     assert (d.depth, d.width, d.num_nodes) == (2, 4, 4) and d.shape_table is not None
 
 
+def _timed(t, data, out, save_every: str, minutes: str) -> list[str]:
+    """An EAGLE-3 run cut by --max-minutes long before its --steps, its rate annealed by time."""
+    return ["train", "eagle3", "--target", t.path, "--data", data, "--out", out, "--steps", "100000", "--lr", "1e-3",
+            "--tokens-per-batch", "256", "--warmup", "2", "--draft-vocab", "32", "--ttt-steps", "1",
+            "--save-every", save_every, "--max-minutes", minutes, "--anneal-by-time"]
+
+
 def test_anneal_by_time_ends_a_time_limited_run_at_the_floor_rate(dataset, capsys):
     """`--anneal-by-time`: a run cut by --max-minutes long before its --steps still decays its learning rate to
     the floor (0.1 x lr) as the time runs out; without it the rate would still be near the peak. It needs
@@ -314,9 +321,7 @@ def test_anneal_by_time_ends_a_time_limited_run_at_the_floor_rate(dataset, capsy
     assert _lr_at(5, 1000, 1.0, 10, time_frac=1.0) == pytest.approx(0.6)  # warm-up is by steps
     t, data, root = dataset
     out = str(root / "e3_timed")
-    args = ["train", "eagle3", "--target", t.path, "--data", data, "--out", out, "--steps", "100000", "--lr", "1e-3",
-            "--tokens-per-batch", "256", "--warmup", "2", "--draft-vocab", "32", "--ttt-steps", "1",
-            "--save-every", "1000", "--max-minutes", "0.04", "--anneal-by-time"]
+    args = _timed(t, data, out, "1000", "0.04")
     assert main(args) == 0
     hist = json.load(open(os.path.join(out, "history.json")))
     assert 5 < len(hist) < 100000
@@ -332,9 +337,7 @@ def test_a_time_limited_run_resumes_within_its_budget(dataset):
     a fresh budget and a fresh time-annealed schedule from near the peak rate)."""
     t, data, root = dataset
     out = str(root / "e3_timed_resume")
-    args = ["train", "eagle3", "--target", t.path, "--data", data, "--out", out, "--steps", "100000", "--lr", "1e-3",
-            "--tokens-per-batch", "256", "--warmup", "2", "--draft-vocab", "32", "--ttt-steps", "1",
-            "--save-every", "1", "--max-minutes", "0.03", "--anneal-by-time"]
+    args = _timed(t, data, out, "1", "0.03")
     assert main(args) == 0
     first = json.load(open(os.path.join(out, "history.json")))
     st = torch.load(os.path.join(out, "train_state.pt"), map_location="cpu", weights_only=False)
