@@ -261,9 +261,8 @@ def carried_settings(path: str, kind: str) -> dict:
     measured tau is not carried (it belongs to the old weights); `settings_from` names the source. Empty where
     the source is another kind, has none, or is not a readable directory."""
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            block = json.load(f).get("specloom") or {}
-    except (OSError, ValueError, AttributeError):
+        block = _load_json(os.path.join(path, "config.json")).get("specloom") or {}
+    except SpecloomError:
         return {}
     if not isinstance(block, dict) or block.get("kind") != kind:
         return {}

@@ -92,11 +92,10 @@ class BlockDrafter(Drafter):
         if th is None:
             th = float_field(meta, "confidence_threshold", 0.0, positive=False, prefix="specloom.",
                              what=what) if cfg.confidence_head else 0.0
-            if th > 0:
-                own_width = 1  # the checkpoint's own cut wins over its tree (both are its defaults)
-        elif th > 0:
-            own_width = 1  # the request's cut: a chain
-        width = getattr(spec, "tree_width", None) or own_width
+        if th > 0:
+            own_width = 1  # a confidence cut (the request's, or the checkpoint's own) drafts a chain
+        asked = getattr(spec, "tree_width", None)
+        width = asked or own_width
         if width > 1 and th > 0:
             raise SpecloomError(f"{path}: confidence_threshold cuts a chain; with tree_width {width} the tree's node "
                                 "budget (num_draft_tokens) bounds the drafts instead -- set confidence_threshold 0 "
@@ -105,8 +104,8 @@ class BlockDrafter(Drafter):
         if nodes and width == 1:
             raise SpecloomError(f"{path}: num_draft_tokens sizes a tree; give tree_width > 1 with it (a chain drafts "
                                 "num_speculative_tokens)")
-        if width > 1 and not nodes and own_width > 1 and not getattr(spec, "tree_width", None):
-            nodes = own_nodes
+        if not nodes and not asked and width > 1:
+            nodes = own_nodes  # the checkpoint's own tree, whole
         return k or n, th, width, nodes
 
     @classmethod
