@@ -19,7 +19,7 @@ for ck in sys.argv[1:]:
     L = target.config.num_layers
     data = DistillData(args.data, tuple(sorted({*tcls.data_ids(L), L})))
     data.attach(load_target("smollm2-135m", "bf16", progress=False)[0], 0)
-    _, ev_idx = data.split(args.eval_fraction, args.seed)
+    _, ev_idx = data.split(args.eval_fraction)
     for k, v in tcls.arg_defaults.items():
         if getattr(args, k, None) is None: setattr(args, k, v)
     tr = tcls(target, tok, data, args); tr.init_from(ck)

@@ -215,8 +215,28 @@ def test_cache_only_keeps_the_named_sequences(tiny, tmp_path, monkeypatch):
         seen.clear()
         assert main(base + extra + ["--out", str(tmp_path / f"m{len(extra)}{one_pass}")]) == 0
         d = seen[0]
-        _, held = orig(d, 0.3, 0)
+        _, held = orig(d, 0.3)
         assert (d.cache_only == set(held)) if one_pass else d.cache_only is None
+
+
+def test_the_held_out_split_does_not_move_with_the_seed(tiny, tmp_path, monkeypatch):
+    """--seed reorders the batches (a continued run reshuffles to read other data first) but never moves a
+    sequence between the training and held-out sides: the split is the data's, fixed once."""
+    from specloom.training.dataset import DistillData
+
+    t, out = _small_data(tiny, tmp_path)
+    splits, orders = [], []
+    orig_split, orig_groups = DistillData.split, DistillData.groups
+    monkeypatch.setattr(DistillData, "split", lambda self, *a: splits.append(orig_split(self, *a)) or splits[-1])
+    monkeypatch.setattr(DistillData, "groups",
+                        lambda self, idx, tpb, seed, *a: orders.append(orig_groups(self, idx, tpb, seed, *a))
+                        or orders[-1])
+    base = ["train", "medusa", "--target", t.path, "--data", out, "--tokens-per-batch", "16", "--warmup", "1",
+            "--medusa-heads", "1", "--eval-fraction", "0.4", "--steps", "1"]
+    for seed in (0, 1, 2, 3):
+        assert main(base + ["--seed", str(seed), "--out", str(tmp_path / f"s{seed}")]) == 0
+    assert len(splits) == 4 and all(s == splits[0] for s in splits) and splits[0][1]
+    assert len({str(o) for o in orders[1::2]}) > 1  # the epoch's batch order does follow the seed
 
 
 def test_recomputed_states_are_kept_within_the_budget_and_reread(tiny, tmp_path):

@@ -15,7 +15,8 @@ def add(sub) -> None:
     p.add_argument("--epochs", type=positive_int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="batch order and sampling (the held-out split is fixed by the data, not by this)")
     p.add_argument("--tokens-per-batch", type=positive_int, default=4096)
     p.add_argument("--loss-fraction", type=float, default=0.5,
                    help="fraction of positions scored per batch by large-vocabulary losses (speed knob)")

@@ -133,7 +133,7 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
     from ..behaviour import check_behaviour
 
     check_behaviour(data.meta.get("target_probe"), target, " ".join(args.data), tokenizer, subject="this data")
-    train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
+    train_idx, eval_idx = data.split(args.eval_fraction)
     print(f"specloom train {args.kind}: {data.num_tokens} tokens in {len(data.seqs)} sequences "
           f"({len(eval_idx)} held out)" + (f"; {distributed.world()} processes, each on its share of every batch"
                                             if distributed.world() > 1 else ""), file=sys.stderr, flush=True)

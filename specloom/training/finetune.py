@@ -83,7 +83,7 @@ def finetune(args) -> dict:
     if max(int(t.max()) for t, _, _ in data.seqs) >= vocab:
         raise SpecloomError(f"{' '.join(args.data)} holds token ids beyond {args.init_from}'s vocabulary of {vocab}: "
                             "made with another tokenizer")
-    train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
+    train_idx, eval_idx = data.split(args.eval_fraction)
     params = _trainable(model, getattr(args, "train_layers", None))
     print(f"specloom train target: fine-tuning {args.init_from}: {sum(p.numel() for p in params) / 1e6:.1f}M of "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters trainable, "

@@ -76,7 +76,7 @@ class TargetTrainer:
         mtp.to(dev)
         mtp.attach_target(model)
         data = DistillData(args.data, (), max_tokens=args.max_data_tokens)
-        train_idx, eval_idx = data.split(args.eval_fraction, args.seed)
+        train_idx, eval_idx = data.split(args.eval_fraction)
         params = list(model.parameters()) + list(mtp.parameters())
         n_trunk = sum(p.numel() for p in model.parameters())
         print(f"specloom train target: {n_trunk / 1e6:.1f}M-parameter model ({args.model_layers} layers, hidden {H}) "
