@@ -277,8 +277,8 @@ def test_dflash2_checkpoint_and_selector(blocks, tmp_path):
     seen = []
     orig = m.candidate_selector.full
 
-    def spy(logits, h, prev):
-        out = orig(logits, h, prev)
+    def spy(logits, h, prev, **kw):
+        out = orig(logits, h, prev, **kw)
         seen.append((logits.topk(6, -1).indices, out))
         return out
 

@@ -314,3 +314,28 @@ def test_training_resumed_with_other_settings_is_refused(tiny, tmp_path, capsys)
     capsys.readouterr()
     assert main(base + ["--lr", "5e-4"]) == 2
     assert "other settings (lr: 0.001 there, 0.0005 now)" in capsys.readouterr().err
+
+
+def test_token_map_from_the_answers_of_the_training_split(tiny, tmp_path, capsys):
+    """`specloom token-map --data`: the answer tokens of the data's training split, counted (the held-out split
+    `specloom train` evaluates on is left out); data of another tokenizer is refused."""
+    from specloom.training.dataset import DistillData
+
+    t, out = _small_data(tiny, tmp_path)
+    m_path = tmp_path / "m.json"
+    assert main(["token-map", t.path, "--data", out, "--out", str(m_path)]) == 0
+    assert "training sequences" in capsys.readouterr().out
+    m = json.loads(m_path.read_text())
+    data = DistillData(out, ())
+    train, held = data.split(0.02)
+    want = torch.zeros(m["vocab_size"], dtype=torch.long)
+    for i in train:
+        toks, mask, _ = data.seqs[i]
+        want += torch.bincount(toks[mask], minlength=m["vocab_size"])
+    assert dict(zip(m["ranked"], m["counts"])) == {i: int(c) for i, c in enumerate(want.tolist()) if c}
+    assert m["counts"] == sorted(m["counts"], reverse=True) and m["tokens_counted"] == int(want.sum())
+    meta = json.loads(open(os.path.join(out, "meta.json")).read())
+    meta["fingerprint"]["vocab_sha"] = "0" * 16
+    open(os.path.join(out, "meta.json"), "w").write(json.dumps(meta))
+    assert main(["token-map", t.path, "--data", out, "--out", str(m_path)]) != 0
+    assert "another tokenizer" in capsys.readouterr().err

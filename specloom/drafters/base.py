@@ -72,6 +72,16 @@ def float_key(lo: float, hi: float):
 TREE_KEYS = {"tree_width": int_key(1, 16), "num_draft_tokens": int_key(1, 256)}
 
 
+def _token_map_key(name, v):
+    if not isinstance(v, str) or not v:
+        raise SpecloomError(f"{name} must be a path to a token-map JSON file, got {v!r}")
+    return v
+
+
+# FR-Spec's reduced draft vocabulary (drafters/token_map.py), for kinds that score the whole vocabulary
+VOCAB_KEYS = {"draft_vocab": int_key(1, 1 << 22), "token_map": _token_map_key}
+
+
 @dataclass
 class ExportForm:
     """How a kind is written in the speculators format (what vLLM serves): `save(net, out, meta, dtype=,

@@ -7,7 +7,8 @@ elsewhere, and that is the q the verifier divides by), so the output is still th
 outside the N cannot be drafted. The end-of-sequence tokens are always kept.
 
 The ranking is a token-map file (`specloom token-map MODEL --prompts FILES --out F.json`: the target tokenizer's
-token counts over a corpus, most frequent first), named by `"token_map": path`, or else the one bundled for this
+token counts over a corpus, most frequent first; or `--data DIRS`: the answer tokens of self-distilled data, the
+training split -- the target's own outputs, which is what a drafter must guess), named by `"token_map": path`, or else the one bundled for this
 tokenizer (`specloom/bundled/token_maps/<vocabulary hash>.json`, built from the training prompts). A map made
 for another tokenizer is refused.
 
@@ -35,6 +36,20 @@ def expand_logits(logits: torch.Tensor, ids: torch.Tensor, vocab_size: int) -> t
     return out
 
 
+def sliced_head(head, ids: torch.Tensor) -> torch.nn.Linear:
+    """The rows `ids` of an LM head (a dense linear, or a kernel's that dequantises its weight: GGML blocks give
+    exactly the gguf package's values) as a plain bias-free `nn.Linear` in the head's dtype, frozen, for the
+    caller to give its kernel."""
+    ws = getattr(head, "ws", None)
+    if ws is not None and len(ws) == 1 and hasattr(ws[0], "dense"):  # GGML: only these rows dequantised
+        w = ws[0].dense(ids.cpu()).to(getattr(head, "dtype", torch.float32))
+    else:
+        w = head.weight.detach()[ids.to(head.weight.device)]
+    out = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    out.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+    return out
+
+
 def count_tokens(tokenizer, texts, vocab_size: int) -> torch.Tensor:
     """Counts (V,) of the tokenizer's ids over `texts` (no special tokens added)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -56,9 +71,13 @@ def count_tokens(tokenizer, texts, vocab_size: int) -> torch.Tensor:
 
 
 def build_token_map(tokenizer, texts, vocab_size: int, sources: list[str], command: str = "") -> dict:
+    return token_map_of(count_tokens(tokenizer, texts, vocab_size), tokenizer, vocab_size, sources, command)
+
+
+def token_map_of(counts: torch.Tensor, tokenizer, vocab_size: int, sources: list[str], command: str = "") -> dict:
+    """The map of token counts (V,): every seen token, most frequent first (ties: the lower id)."""
     from ..fingerprint import vocab_sha
 
-    counts = count_tokens(tokenizer, texts, vocab_size)
     seen = int((counts > 0).sum())
     order = counts.argsort(descending=True, stable=True)[:seen]
     return {"format": FORMAT, "vocab_size": vocab_size, "vocab_sha": vocab_sha(tokenizer),

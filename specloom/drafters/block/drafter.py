@@ -41,7 +41,7 @@ import torch
 from ...config_fields import float_field, int_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
-from ..base import TREE_KEYS, DraftContext, Drafter, float_key, register
+from ..base import TREE_KEYS, VOCAB_KEYS, DraftContext, Drafter, float_key, register
 from ...kv import RowSpan
 from ..rows import chains, draw, fitting_groups, keep_best, own_store
 
@@ -132,9 +132,32 @@ class BlockDrafter(Drafter):
         k, th, width, nodes = cls._settings(spec, cfg, meta, path)
         model = build_block(path, raw, target, cls.method)
         check_target(meta, target, tokenizer, path)
+        cls._reduce_vocab(spec, meta, model, target, tokenizer, path)
         d = cls(model, k, th, width, nodes)
         d.checkpoint = {"path": path, "meta": meta}
         return d
+
+    @staticmethod
+    def _reduce_vocab(spec, meta, model, target, tokenizer, path) -> None:
+        """FR-Spec's reduced draft vocabulary: the request's `draft_vocab` (ranked by its `token_map`, else the
+        map bundled for the tokenizer), else the checkpoint's own `specloom.draft_vocab`; a size equal to the
+        vocabulary keeps all of it (a request's way to turn a checkpoint's default off)."""
+        from ..token_map import reduced_vocabulary, sliced_head
+        from ...models.cpu_packing import pack_linears
+
+        V = target.config.vocab_size
+        size = spec.draft_vocab or int_field(meta, "draft_vocab", None, prefix="specloom.",
+                                             what=f"{path}: drafter config", bound="vocab_size")
+        if spec.token_map and not size:
+            raise SpecloomError('"token_map" ranks the tokens for "draft_vocab": give "draft_vocab": N as well')
+        if not size or size == V:
+            return
+        ids = reduced_vocabulary(size, spec.token_map, tokenizer, V, tuple(getattr(tokenizer, "eos_token_ids", ())
+                                                                           or ()))
+        holder = torch.nn.Module()
+        holder.head = sliced_head(target.lm_head, ids)
+        pack_linears(holder)  # the drafting kernel of the drafter's own linears (the rows' values as the target's)
+        model.use_draft_vocab(ids.to(holder.head.weight.device), holder.head)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -144,7 +167,8 @@ class BlockDrafter(Drafter):
         from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        return {"weights": module_bytes(self.model),
+        extra = [mod for mod in (self.model._shared.get("head"), self.model._shared.get("markov_w2")) if mod is not None]
+        return {"weights": module_bytes(self.model, *extra),
                 "kv_per_1k_tokens": kv_bytes_per_1k(c.num_layers, c.num_kv_heads, c.head_dim,
                                                     self.model.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 
@@ -218,7 +242,8 @@ class BlockDrafter(Drafter):
                     if p < live[b] and conf[b] < self.threshold:
                         live[b] = p
             lp, state = m.chain_logits(logits[:, p], h[:, p], prev, state)
-            prev = torch.tensor(draw(ctxs, lp, [p < lv for lv in live], drafts, qs), device=dev)
+            prev = torch.tensor(draw(ctxs, lp, [p < lv for lv in live], drafts, qs, m.to_target_ids,
+                                     m.expand_logits), device=dev)
         return chains(ctxs, drafts, qs)
 
     def _tree(self, ctxs, ks: list[int], h, logits, roots) -> list[DraftTree]:
@@ -238,7 +263,7 @@ class BlockDrafter(Drafter):
             state = state[:, None].expand(B, fw, state.shape[-1])
         for d in range(1, K):
             lg, st = m.chain_logits(logits[:, d, None].expand(B, fw, V), h[:, d, None].expand(B, fw, h.shape[-1]),
-                                    f_tok, state)
+                                    m.to_target_ids(f_tok), state)
             cand = (torch.log_softmax(lg.float(), -1) + f_score[..., None]).topk(min(w, V), -1)  # (B, fw, w)
             cw = cand.indices.shape[-1]
             toks.append(cand.indices.reshape(B, -1))
@@ -251,7 +276,7 @@ class BlockDrafter(Drafter):
                 state = st.gather(1, (best // cw)[..., None].expand(B, best.shape[1], st.shape[-1]))
             offset += fw * cw
             fw = f_tok.shape[1]
-        toks, scores, parents = torch.cat(toks, 1), torch.cat(scores, 1), torch.cat(parents, 1)
+        toks, scores, parents = m.to_target_ids(torch.cat(toks, 1)), torch.cat(scores, 1), torch.cat(parents, 1)
         depth = torch.cat(depth)
         valid = (depth[None] <= torch.tensor(ks, device=h.device)[:, None]) & torch.isfinite(scores)
         budgets = [self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes) for c in ctxs]
@@ -259,18 +284,18 @@ class BlockDrafter(Drafter):
         return keep_best(ctxs, toks, scores, parents, valid, n_keep)
 
 
-@register("dflash", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS}, (".trainer",))
+@register("dflash", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS, **VOCAB_KEYS}, (".trainer",))
 class DFlashDrafter(BlockDrafter):
     pass
 
 
-@register("dflash2", dict(TREE_KEYS), (".trainer",), no_export="speculators' DFlash 2 layout is not public; its checkpoint is "
+@register("dflash2", {**TREE_KEYS, **VOCAB_KEYS}, (".trainer",), no_export="speculators' DFlash 2 layout is not public; its checkpoint is "
                                                   "z-lab's (DFlash2DraftModel), which vLLM reads as it is")
 class DFlash2Drafter(BlockDrafter):
     pass
 
 
-@register("dspark", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS}, (".trainer",))
+@register("dspark", {"confidence_threshold": float_key(0.0, 1.0), **TREE_KEYS, **VOCAB_KEYS}, (".trainer",))
 class DSparkDrafter(BlockDrafter):
     @classmethod
     def find(cls, spec, target_config) -> str:

@@ -148,19 +148,21 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
         nn.init.zeros_(self.hidden_projection.weight)  # starts as plain top-k of U (the pair score is zero)
 
-    def scores(self, logits, h, prev, cand=None):
-        """logits (..., V) fp32, h (..., H), prev (...,) -> (scores (..., k) fp32, candidates (..., k))."""
+    def scores(self, logits, h, prev, cand=None, vocab=None):
+        """logits (..., V) fp32, h (..., H), prev (...,) -> (scores (..., k) fp32, candidates (..., k)).
+        `vocab`: the target ids of a reduced draft vocabulary's logits (the codebooks are indexed by target id)."""
         if cand is None:
             cand = logits.topk(min(self.top_k, logits.shape[-1]), -1).indices
         unary = logits.gather(-1, cand)
         hp = self.hidden_projection(h).float() * self.predecessor_codebook[prev].float()  # (..., r)
-        pair = (self.successor_codebook[cand].float() @ hp[..., :, None]).squeeze(-1)  # (..., k)
+        succ = self.successor_codebook[cand if vocab is None else vocab[cand]]
+        pair = (succ.float() @ hp[..., :, None]).squeeze(-1)  # (..., k)
         return unary + pair, cand
 
-    def full(self, logits, h, prev):
-        """The scores as logits over the whole vocabulary, -inf outside the candidates (what drafting draws
-        from: its argmax is the selector's choice, its softmax the q verification needs)."""
-        sc, cand = self.scores(logits, h, prev)
+    def full(self, logits, h, prev, vocab=None):
+        """The scores as logits over the whole (draft) vocabulary, -inf outside the candidates (what drafting
+        draws from: its argmax is the selector's choice, its softmax the q verification needs)."""
+        sc, cand = self.scores(logits, h, prev, vocab=vocab)
         return torch.full_like(logits, float("-inf")).scatter_(-1, cand, sc)
 
 
@@ -235,8 +237,9 @@ class MarkovHead(nn.Module):
         elif self.kind == "rnn":
             self.joint_proj = nn.Linear(2 * r + H, 3 * r)
 
-    def forward(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None):
-        """prev (...,) previous tokens, h (..., H) slot hidden -> (bias (..., V) fp32, new rnn state or None)."""
+    def forward(self, prev: torch.Tensor, h: torch.Tensor, state: torch.Tensor | None = None, w2=None):
+        """prev (...,) previous tokens, h (..., H) slot hidden -> (bias (..., V) fp32, new rnn state or None).
+        `w2`: the output rows of a reduced draft vocabulary (default all of `markov_w2`)."""
         e = self.markov_w1(prev).to(h.dtype)
         if self.kind == "vanilla":
             z = e
@@ -248,7 +251,7 @@ class MarkovHead(nn.Module):
             g = torch.sigmoid(g)
             state = g * s + (1 - g) * torch.tanh(cand)
             z = torch.tanh(o)
-        return self.markov_w2(z).float(), state
+        return (self.markov_w2 if w2 is None else w2)(z).float(), state
 
 
 class ConfidenceHead(nn.Module):
@@ -287,7 +290,7 @@ class BlockDraftModel(nn.Module):
         self._shared = {"target": target}
 
     def attach_target(self, target) -> None:
-        self._shared = {"target": target}
+        self._shared = {"target": target}  # (and a reduced draft vocabulary's rows: `use_draft_vocab`)
 
     @property
     def dtype(self):
@@ -324,11 +327,49 @@ class BlockDraftModel(nn.Module):
         s = self.config.input_embedding_scale
         return x if s == 1.0 else x * s
 
+    # -- a reduced draft vocabulary (inference only: FR-Spec's, drafters/token_map.py) ---------------------------
+    def use_draft_vocab(self, ids: torch.Tensor, head: nn.Module) -> None:
+        """Score only the target ids `ids` (sorted, (V_d,)) through `head` (their V_d rows of the target's head):
+        slot logits, the Markov bias and the selector's candidates are then over those tokens, drafts are mapped
+        back (`to_target_ids`) and a sampled q is zero elsewhere (`expand_logits`: the q verification divides
+        by), so the output is unchanged; only tokens outside cannot be drafted. The drafting cost of the head, the
+        bias and the tree's top-k falls with V_d / V."""
+        self._shared.update(vocab=ids, head=head)
+        if self.has_markov:
+            w = self.markov_head.markov_w2.weight.detach()
+            w2 = nn.Linear(w.shape[1], len(ids), bias=False, device=w.device, dtype=w.dtype)
+            w2.weight = nn.Parameter(w[ids.to(w.device)].clone(), requires_grad=False)
+            holder = nn.Module()
+            holder.w2 = w2
+            from ...models.cpu_packing import pack_linears
+
+            pack_linears(holder)  # the kernel the drafter's other linears run
+            self._shared["markov_w2"] = holder.w2
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """The target ids a reduced draft vocabulary scores (sorted), or None (the whole vocabulary)."""
+        return self._shared.get("vocab")
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        v = self.draft_vocab
+        return ids if v is None else v[ids]
+
+    def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits -> target-vocabulary logits (-inf outside a reduced draft vocabulary)."""
+        v = self.draft_vocab
+        if v is None:
+            return logits
+        from ..token_map import expand_logits
+
+        return expand_logits(logits, v, self.config.vocab_size)
+
     def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Normed slot hidden (..., H) -> fp32 logits through the target's head (before any Markov bias or
-        selector), times `output_multiplier`, soft-capped when the checkpoint says so."""
+        selector; over the draft vocabulary where one is reduced), times `output_multiplier`, soft-capped when
+        the checkpoint says so."""
         t = self._shared["target"]
-        out = t.logits(h.to(t.dtype))
+        out = t.logits(h.to(t.dtype), self._shared.get("head"))
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier
@@ -344,11 +385,11 @@ class BlockDraftModel(nn.Module):
             bias, state = self.markov_bias(prev, h, state)
             logits = logits + bias
         if self.has_selector:
-            logits = self.candidate_selector.full(logits, h, prev)
+            logits = self.candidate_selector.full(logits, h, prev, vocab=self.draft_vocab)
         return logits, state
 
     def markov_bias(self, prev, h, state=None):
-        return self.markov_head(prev, h, state)
+        return self.markov_head(prev, h, state, self._shared.get("markov_w2"))
 
     def confidence_logit(self, h: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         e = self.markov_head.markov_w1(prev) if self.has_markov and self.config.confidence_with_markov else None

@@ -26,9 +26,9 @@ import torch
 
 from ...errors import DrafterMismatch, SpecloomError
 from ...tree import DraftTree
-from ..base import DraftContext, Drafter, TREE_KEYS, int_key, register
+from ..base import VOCAB_KEYS, DraftContext, Drafter, TREE_KEYS, register
 from ..rows import chains, draw, fitting_groups, own_store
-from ..token_map import expand_logits, reduced_vocabulary
+from ..token_map import expand_logits, reduced_vocabulary, sliced_head
 
 DEFAULT_K = 4
 
@@ -37,12 +37,6 @@ def check_same_token_ids(target_tok, draft_tok, name: str) -> None:
     """Same vocabulary size is checked up front (`check`); here the token ids themselves must agree."""
     if target_tok is not None and draft_tok is not None and target_tok.hf.get_vocab() != draft_tok.hf.get_vocab():
         raise SpecloomError(f"draft model {name!r} uses another tokenizer than the target (token ids differ)")
-
-
-def _path_key(name, v):
-    if not isinstance(v, str) or not v:
-        raise SpecloomError(f"{name} must be a path to a token-map JSON file, got {v!r}")
-    return v
 
 
 def _kernel_key(name, v):
@@ -56,8 +50,7 @@ def _kernel_key(name, v):
     return v if v == "auto" or "+" in v else f"{v}+auto"
 
 
-@register("draft_model", {"tree_width": TREE_KEYS["tree_width"], "draft_vocab": int_key(1, 1 << 22),
-                          "token_map": _path_key, "draft_kernel": _kernel_key},
+@register("draft_model", {"tree_width": TREE_KEYS["tree_width"], **VOCAB_KEYS, "draft_kernel": _kernel_key},
           (".trainer",),
           no_export='a draft model is an ordinary HF checkpoint: give vLLM its directory as "model"')
 class DraftModelDrafter(Drafter):
@@ -80,13 +73,10 @@ class DraftModelDrafter(Drafter):
             if not isinstance(getattr(lm, "weight", None), torch.Tensor) or lm.weight.dim() != 2:
                 raise SpecloomError("draft_vocab needs the draft model's LM head as a dense weight; this one "
                                     f"runs {type(lm).__name__} without one")
-            w = lm.weight.detach()[vocab.to(lm.weight.device)]
-            head = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
-            head.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
             holder = torch.nn.Module()
-            holder.head = head
+            holder.head = sliced_head(lm, vocab)
             apply_kernels(holder, choice=getattr(model, "kernel_choice", None))  # the kernel its linears run
-            self.vocab, self.head = vocab.to(w.device), holder.head
+            self.vocab, self.head = vocab.to(holder.head.weight.device), holder.head
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (..., H) -> fp32 logits over the draft vocabulary (all of it, or the reduced one)."""
