@@ -251,7 +251,7 @@ def init_from_checkpoint(model, path: str, kind: str, target, tokenizer) -> None
 
 # a checkpoint's decoding settings (not its weights, not its measurements): the tree shape and depth it decodes
 # with by default and the shape table a host re-chooses the tree from (scripts/choose_eagle_tree.py, Medusa's tuning)
-DECODING_SETTINGS = ("depth", "tree_width", "num_draft_tokens", "tree_choice", "tree_tuning")
+DECODING_SETTINGS = ("depth", "tree_width", "num_draft_tokens", "tree_choice", "tree_tuning", "draft_vocab")
 
 
 def carried_settings(path: str, kind: str) -> dict:
