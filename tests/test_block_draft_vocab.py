@@ -144,3 +144,72 @@ def test_checkpoint_default_and_bad_settings(blocks, tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecloomError, match="draft_vocab.*integer"):
         engine(t, str(d), "dspark", token_map=good)
+
+
+def _reduced_speculators(t, src, dst, ids):
+    """A speculators DSpark checkpoint with a reduced vocabulary made from `src` (full): lm_head = the target head's
+    rows `ids`, markov_w2 those rows, d2t = ids - arange, t2d, draft_vocab_size."""
+    from safetensors.torch import load_file, save_file
+
+    raw = json.loads(open(f"{src}/config.json").read())
+    raw["draft_vocab_size"] = len(ids)
+    sd = load_file(f"{src}/model.safetensors")
+    sd["lm_head.weight"] = t.model.lm_head.weight.detach()[ids].clone()
+    sd["markov_head.markov_w2.weight"] = sd["markov_head.markov_w2.weight"][ids].clone()
+    sd["d2t"] = ids - torch.arange(len(ids))
+    sd["t2d"] = torch.zeros(VOCAB, dtype=torch.bool)
+    sd["t2d"][ids] = True
+    import os
+
+    os.makedirs(dst)
+    save_file(sd, f"{dst}/model.safetensors")
+    open(f"{dst}/config.json", "w").write(json.dumps(raw))
+    return dst
+
+
+def test_speculators_checkpoint_with_a_reduced_vocabulary(blocks, tmp_path):
+    """speculators' `draft_vocab_size` < V with `d2t` and an own `lm_head` (what vLLM requires of a reduced DSpark):
+    read, served exactly (greedy identical, drafts inside the vocabulary), scoring as the full checkpoint served
+    with the same reduced vocabulary, and written back the same; a broken d2t, a draft_vocab on top, and the
+    layouts that cannot hold one fail with one line."""
+    from specloom.drafters.block.format import save_speculators, save_zlab
+
+    t, paths = blocks
+    ids = torch.tensor(sorted(random.Random(4).sample(range(VOCAB), 96)))
+    red = _reduced_speculators(t, paths["dspark_gated"], str(tmp_path / "red"), ids)
+    e = engine(t, red, "dspark")
+    m = e.drafter.model
+    assert m.config.draft_vocab_size == 96 and torch.equal(m.draft_vocab, ids)
+    for extra in ({}, {"tree_width": 2}):
+        ee = engine(t, red, "dspark", **extra)
+        for p in PROMPTS:
+            assert ee.generate(prompt_token_ids=p, max_tokens=N, ignore_eos=True).token_ids == plain(t, p).token_ids
+    # the same scores as the full checkpoint reduced at run time to these ids
+    ranked = ids.tolist() + [i for i in range(VOCAB) if i not in set(ids.tolist())]
+    runtime = engine(t, paths["dspark_gated"], "dspark", draft_vocab=96,
+                     token_map=write_map(tmp_path / "r.json", t.tokenizer, ranked)).drafter.model
+    h = torch.randn(2, t.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    prev = torch.tensor([7, 90])
+    a, b = m.draft_logits(h), runtime.draft_logits(h)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(m.chain_logits(a, h, prev)[0], runtime.chain_logits(b, h, prev)[0], rtol=0, atol=0)
+    # written back: the same tensors (d2t integer, t2d rebuilt)
+    from safetensors.torch import load_file
+
+    meta = json.loads(open(f"{red}/config.json").read())["specloom"]
+    save_speculators(m, str(tmp_path / "again"), meta, "dspark", dtype=torch.float32)
+    sa, sb = load_file(f"{red}/model.safetensors"), load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["draft_vocab_size"] == 96
+    with pytest.raises(ValueError, match="speculators layout only"):
+        save_zlab(m, str(tmp_path / "z"), meta)
+    with pytest.raises(SpecloomError, match="already reduced to 96"):
+        engine(t, red, "dspark", draft_vocab=32, token_map=str(tmp_path / "r.json"))
+    from safetensors.torch import save_file
+
+    sa["d2t"] = torch.zeros(96, dtype=torch.long)  # every draft id to target id = itself: not the vocabulary's
+    sa["d2t"][5] = -10
+    save_file(sa, f"{red}/model.safetensors")
+    with pytest.raises(SpecloomError, match="d2t does not map") as err:
+        engine(t, red, "dspark")
+    assert "\n" not in str(err.value)

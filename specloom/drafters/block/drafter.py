@@ -146,6 +146,12 @@ class BlockDrafter(Drafter):
         from ...models.cpu_packing import pack_linears
 
         V = target.config.vocab_size
+        if model.config.draft_vocab_size:
+            if spec.draft_vocab or spec.token_map:
+                raise SpecloomError(f"{path}: this drafter's vocabulary is already reduced to "
+                                    f"{model.config.draft_vocab_size} tokens (its d2t); draft_vocab / token_map "
+                                    "cannot change it")
+            return
         size = spec.draft_vocab or int_field(meta, "draft_vocab", None, prefix="specloom.",
                                              what=f"{path}: drafter config", bound="vocab_size")
         if spec.token_map and not size:

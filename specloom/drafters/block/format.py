@@ -152,8 +152,7 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
                      confidence_with_markov=b(raw, "confidence_head_with_markov", True))
         dv = i(raw, "draft_vocab_size", None, bound="vocab_size")
         if dv and dv != i(lc, "vocab_size", tc.vocab_size, prefix=lp):
-            raise SpecloomError(f"{path}: a reduced draft vocabulary ({dv} tokens) is not supported for "
-                                f"{method}; specloom serves full-vocabulary block drafters")
+            extra["draft_vocab_size"] = dv  # its own lm_head [dv, H], markov_w2 [dv, r] and d2t
     else:  # zlab, deepspec: a Qwen3 config at the top level
         lc = raw
         dc = sub_dict(raw, "dflash_config", what)
@@ -202,7 +201,7 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
         markov_head_type=extra["markov_head_type"], confidence_head=extra["confidence_head"],
         confidence_with_markov=extra["confidence_with_markov"],
         max_position=i(lc, "max_position_embeddings", tc.max_position, prefix=lp),
-        **{k: extra[k] for k in DFLASH2_KEYS if k in extra},
+        **{k: extra[k] for k in DFLASH2_KEYS if k in extra}, draft_vocab_size=extra.get("draft_vocab_size", 0),
     )
     if not ids:
         ids = layer_ids(meta_of(raw), "feature_ids", "specloom.", what)
@@ -231,6 +230,8 @@ def block_config(path: str, raw: dict, target_config, method: str) -> BlockDraft
         raise SpecloomError(f"{path}: mask token id {cfg.mask_token_id} lies outside the target's vocabulary")
     if cfg.num_layers < 1:
         raise SpecloomError(f"{path}: the drafter has no layers")
+    if cfg.draft_vocab_size and cfg.selector_rank:
+        raise SpecloomError(f"{path}: a DFlash 2 drafter with a reduced draft vocabulary is not supported")
     if layout == "dflash2":
         if cfg.conv_kernel_size < 1 or cfg.hidden_size % cfg.conv_group_size:
             raise SpecloomError(f"{path}: dflash_config.conv_kernel_size {cfg.conv_kernel_size} / conv_group_size "
@@ -263,9 +264,11 @@ def expected_shapes(cfg: BlockDraftConfig) -> dict[str, tuple]:
             p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
             p + "mlp.down_proj.weight": (H, inter),
         })
-    r, V = cfg.markov_rank, cfg.vocab_size
+    r, V, dv = cfg.markov_rank, cfg.vocab_size, cfg.draft_vocab_size
+    if dv:
+        exp.update({"lm_head.weight": (dv, H), "d2t": (dv,)})
     if r:
-        exp.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+        exp.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (dv or V, r)})
         if cfg.markov_head_type == "gated":
             exp.update({"markov_head.gate_proj.weight": (r, H + r), "markov_head.gate_proj.bias": (r,)})
         elif cfg.markov_head_type == "rnn":
@@ -319,18 +322,32 @@ def build_block(path: str, raw: dict, target, method: str) -> BlockDraftModel:
     model.to_empty(device=target.device)
     dt = target.dtype
     # assign=True keeps the given tensors: they must already sit on the target's device
-    model.load_state_dict({k: v.to(device=target.device, dtype=dt) for k, v in state.items()}, strict=True,
-                          assign=True)
+    model.load_state_dict({k: v.to(device=target.device, dtype=dt if v.is_floating_point() else torch.long)
+                           for k, v in state.items()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
     model.attach_target(target)
     pack_linears(model)
+    if cfg.draft_vocab_size:
+        ids = torch.arange(cfg.draft_vocab_size, device=model.d2t.device) + model.d2t
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+            raise SpecloomError(f"{path}: d2t does not map the {cfg.draft_vocab_size} draft ids to increasing "
+                                f"target ids in [0, {cfg.vocab_size}) (target id = draft id + d2t[draft id])")
+        model.use_draft_vocab(ids, model.lm_head)
     return model
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
 
 def _state(model: BlockDraftModel, dtype) -> dict:
-    return {k: v.detach().cpu().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    """The weights in `dtype` (an integer tensor, d2t, as it is)."""
+    return {k: v.detach().cpu().to(dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in model.state_dict().items()}
+
+
+def _full_vocabulary(cfg: BlockDraftConfig, layout: str) -> None:
+    if cfg.draft_vocab_size:
+        raise ValueError(f"a block drafter with a reduced draft vocabulary is written in the speculators layout "
+                         f"only (its d2t), not {layout}")
 
 
 def _qwen3_keys(cfg: BlockDraftConfig) -> dict:
@@ -358,6 +375,7 @@ def _meta(meta: dict, cfg: BlockDraftConfig) -> dict:
 
 def save_zlab(model: BlockDraftModel, path: str, meta: dict, dtype=torch.bfloat16, num_target_layers=None) -> None:
     cfg = model.config
+    _full_vocabulary(cfg, "z-lab's")
     if cfg.markov_rank or cfg.confidence_head or cfg.anchor_predicts:
         raise ValueError("the z-lab DFlash format has no Markov/confidence heads and no anchor slot")
     zids = [i - 1 for i in cfg.feature_ids]
@@ -403,7 +421,7 @@ def save_speculators(model: BlockDraftModel, path: str, meta: dict, kind: str, d
         "speculators_model_type": kind, "speculators_version": SPECULATORS_VERSION,
         "speculators_config": speculators_config(kind, cfg.num_drafts, verifier, verifier_architectures),
         "transformer_layer_config": _qwen3_keys(cfg),
-        "draft_vocab_size": cfg.vocab_size, "block_size": cfg.block_size,
+        "draft_vocab_size": cfg.draft_vocab_size or cfg.vocab_size, "block_size": cfg.block_size,
         "target_hidden_size": cfg.target_hidden_size, "aux_hidden_state_layer_ids": list(cfg.feature_ids),
         "mask_token_id": cfg.mask_token_id, "sliding_window_non_causal": True,
         "sample_from_anchor": cfg.anchor_predicts,
@@ -413,7 +431,11 @@ def save_speculators(model: BlockDraftModel, path: str, meta: dict, kind: str, d
                     "enable_confidence_head": cfg.confidence_head,
                     "confidence_head_with_markov": cfg.confidence_with_markov})
     raw["specloom"] = _meta(meta, cfg)
-    _write(path, raw, _state(model, dtype))
+    sd = _state(model, dtype)
+    if cfg.draft_vocab_size:  # t2d (which target ids the draft vocabulary holds): speculators' converter reads it
+        sd["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        sd["t2d"][torch.arange(cfg.draft_vocab_size) + sd["d2t"]] = True
+    _write(path, raw, sd)
 
 
 def builtin_keys(cfg: BlockDraftConfig) -> dict:
@@ -429,6 +451,7 @@ def builtin_keys(cfg: BlockDraftConfig) -> dict:
 
 
 def builtin_state(model: BlockDraftModel, dtype=torch.bfloat16) -> dict:
+    _full_vocabulary(model.config, "a target checkpoint's built-in DSpark")
     n = model.config.num_layers
     return {to_builtin_name(k, n): v for k, v in _state(model, dtype).items()}
 

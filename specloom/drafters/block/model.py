@@ -64,6 +64,9 @@ class BlockDraftConfig(DraftConfigDict):
     input_embedding_scale: float = 1.0  # the block embedding times this (DFlash 2 checkpoints may set it)
     output_multiplier: float = 1.0  # draft logits times this ...
     final_logit_softcapping: float | None = None  # ... then cap * tanh(logits / cap) when set
+    # speculators' reduced draft vocabulary (0: none): an own `lm_head` and `markov_w2` of that many rows and
+    # `d2t` (draft id i -> target id i + d2t[i]); read and served, never trained here
+    draft_vocab_size: int = 0
 
     @property
     def num_drafts(self) -> int:
@@ -231,7 +234,7 @@ class MarkovHead(nn.Module):
         r, H = c.markov_rank, c.hidden_size
         self.kind, self.rank = c.markov_head_type, r
         self.markov_w1 = nn.Embedding(c.vocab_size, r)
-        self.markov_w2 = nn.Linear(r, c.vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(r, c.draft_vocab_size or c.vocab_size, bias=False)
         if self.kind == "gated":
             self.gate_proj = nn.Linear(H + r, r)
         elif self.kind == "rnn":
@@ -286,6 +289,9 @@ class BlockDraftModel(nn.Module):
             self.confidence_head = ConfidenceHead(c)
         if c.selector_rank:
             self.candidate_selector = CandidateSelector(c.vocab_size, H, c.selector_rank, c.selector_top_k)
+        if c.draft_vocab_size:  # a checkpoint's reduced vocabulary: its own head rows and their target ids
+            self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.long))
         # The target's embedding and LM head are shared, not owned: kept out of the module tree on purpose.
         self._shared = {"target": target}
 
@@ -335,7 +341,7 @@ class BlockDraftModel(nn.Module):
         by), so the output is unchanged; only tokens outside cannot be drafted. The drafting cost of the head, the
         bias and the tree's top-k falls with V_d / V."""
         self._shared.update(vocab=ids, head=head)
-        if self.has_markov:
+        if self.has_markov and self.markov_head.markov_w2.out_features == self.config.vocab_size:
             w = self.markov_head.markov_w2.weight.detach()
             w2 = nn.Linear(w.shape[1], len(ids), bias=False, device=w.device, dtype=w.dtype)
             w2.weight = nn.Parameter(w[ids.to(w.device)].clone(), requires_grad=False)
