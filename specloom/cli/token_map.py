@@ -45,9 +45,8 @@ def run(args) -> int:
 
 def _answer_counts(dirs, vocab_size: int, tokenizer=None):
     """Counts (V,) of the answer (loss-masked) tokens of the data's training split, and what was counted."""
-    import torch
-
     from ..errors import SpecloomError
+    from ..training.common import answer_counts
     from ..training.dataset import DistillData
 
     data = DistillData(dirs, ())
@@ -59,12 +58,8 @@ def _answer_counts(dirs, vocab_size: int, tokenizer=None):
             raise SpecloomError(f"{' '.join(dirs)} was made with another tokenizer (vocabulary hash {theirs}; this "
                                 f"model's {ours})")
     train, _ = data.split(0.02)  # `specloom train`'s default held-out fraction
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in train:
-        toks, mask, _ = data.seqs[i]
-        ids = toks[mask]
-        if ids.numel() and int(ids.max()) >= vocab_size:
-            raise SpecloomError(f"{' '.join(dirs)}: token id {int(ids.max())} is outside this model's vocabulary "
-                                f"({vocab_size}): the data was made with another model")
-        counts += torch.bincount(ids, minlength=vocab_size)
-    return counts, f"the answers of {len(train)} training sequences"
+    top = max((int(t.max()) for t, _, _ in data.seqs if t.numel()), default=0)
+    if top >= vocab_size:
+        raise SpecloomError(f"{' '.join(dirs)}: token id {top} is outside this model's vocabulary ({vocab_size}): "
+                            "the data was made with another model")
+    return answer_counts(data, vocab_size, train), f"the answers of {len(train)} training sequences"

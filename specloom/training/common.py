@@ -35,14 +35,22 @@ def draft_vocab_size(counts: torch.Tensor, cap: int, coverage: float | None) -> 
     return max(256, min(cap, -(-need // 256) * 256))
 
 
+def answer_counts(data, vocab_size: int, index=None) -> torch.Tensor:
+    """Counts (V,) of the answer tokens of `data`'s sequences (`index`: those only; default all): the tokens a
+    drafter must predict, the target's own outputs."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(data.seqs)) if index is None else index:
+        t, m, _ = data.seqs[i]
+        counts += torch.bincount(t[m], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def draft_vocabulary(data, vocab_size: int, cap: int | None, coverage: float | None,
                      fixed: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """A reduced draft vocabulary (EAGLE-3 `d2t`, Medusa `token_map`): the sorted ids of the most frequent answer
     tokens of `data` (`--draft-vocab` = `cap`, None: the whole vocabulary; `--draft-vocab-coverage`, see
     `draft_vocab_size`), or the sorted ids `fixed` when given; and the share of the answer tokens they cover."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for t, m, _ in data.seqs:  # the tokens the drafter must predict: the target's answers
-        counts += torch.bincount(t[m], minlength=vocab_size)
+    counts = answer_counts(data, vocab_size)
     if fixed is not None:
         used = fixed.sort().values
     else:
