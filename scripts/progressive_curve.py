@@ -4,8 +4,12 @@ validation") with a point every step, where `--eval-every` gives only a few. The
 (`evals.json`) are drawn as markers on the same axes; a `--start` figure (e.g. the warm start's held-out score)
 as the curve's first point.
 
-    python scripts/progressive_curve.py RUN_DIR[:LABEL] [RUN_DIR[:LABEL] ...] --out docs/curve.png \
+    python scripts/progressive_curve.py RUN_DIR[:LABEL[:OFFSET]] [...] --out docs/curve.png \
         [--metrics acc0,tau] [--window 50]
+
+OFFSET (answer tokens) shifts a run that continued another along the x axis, so a continuation is drawn after the
+run it started from (a continuation that reshuffles the data with another --seed re-reads some of the batches its
+source saw: its running mean is then slightly optimistic; its held-out markers are not).
 
 Only the first pass counts: steps after the run's answer tokens exceed the data's are left out (they were seen).
 """
@@ -38,7 +42,7 @@ def evals(run: str, metric: str) -> list[tuple[float, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("runs", nargs="+", help="RUN_DIR or RUN_DIR:LABEL")
+    ap.add_argument("runs", nargs="+", help="RUN_DIR, RUN_DIR:LABEL or RUN_DIR:LABEL:OFFSET_TOKENS")
     ap.add_argument("--out", required=True)
     ap.add_argument("--metrics", default="acc0,tau")
     ap.add_argument("--window", type=int, default=50)
@@ -53,15 +57,16 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(metrics), figsize=(6 * len(metrics), 4.2), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         for spec in args.runs:
-            run, _, label = spec.partition(":")
-            label = label or os.path.basename(run.rstrip("/"))
+            run, _, rest = spec.partition(":")
+            label, _, off = rest.partition(":")
+            label, off = label or os.path.basename(run.rstrip("/")), float(off or 0)
             xs, ys = series(run, metric, args.window)
-            line, = ax.plot([x / 1e6 for x in xs], ys, label=f"{label} (running mean, {args.window} steps)")
+            line, = ax.plot([(x + off) / 1e6 for x in xs], ys, label=f"{label} (running mean, {args.window} steps)")
             ev = evals(run, metric)
             if ev:
-                ax.plot([x / 1e6 for x, _ in ev], [y for _, y in ev], "o", color=line.get_color(),
+                ax.plot([(x + off) / 1e6 for x, _ in ev], [y for _, y in ev], "o", color=line.get_color(),
                         label=f"{label} (held-out split)")
-        ax.set_xlabel("answer tokens trained on this run (M)")
+        ax.set_xlabel("answer tokens trained on (M; continued runs after their source)")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
