@@ -213,3 +213,32 @@ def test_speculators_checkpoint_with_a_reduced_vocabulary(blocks, tmp_path):
     with pytest.raises(SpecloomError, match="d2t does not map") as err:
         engine(t, red, "dspark")
     assert "\n" not in str(err.value)
+
+
+def test_export_writes_the_served_reduced_vocabulary(blocks, tmp_path):
+    """`specloom export` of a block drafter served with a reduced vocabulary writes speculators' reduced form
+    (draft_vocab_size, lm_head rows, markov_w2 rows, d2t, t2d), which speculators' own classes accept and specloom
+    reads back scoring exactly as the run-time reduction -- what vLLM would serve is what specloom served."""
+    pytest.importorskip("speculators")
+    from safetensors.torch import load_file
+
+    from specloom.export import export
+
+    t, paths = blocks
+    good = _half(t, tmp_path, 5)
+    spec = {"method": "dspark", "model": paths["dspark_gated"], "draft_vocab": 128, "token_map": good}
+    out = str(tmp_path / "exp")
+    r = export(t.path, spec, out, dtype="fp32")
+    assert r["validated"]["model_class"]
+    raw = json.loads(open(f"{out}/config.json").read())
+    sd = load_file(f"{out}/model.safetensors")
+    assert raw["draft_vocab_size"] == 128 and sd["lm_head.weight"].shape == (128, t.model.config.hidden_size)
+    assert sd["markov_head.markov_w2.weight"].shape[0] == 128 and int(sd["t2d"].sum()) == 128
+    served = engine(t, paths["dspark_gated"], "dspark", draft_vocab=128, token_map=good).drafter.model
+    back = engine(t, out, "dspark").drafter.model
+    assert torch.equal(back.draft_vocab, served.draft_vocab)
+    h = torch.randn(2, t.model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    prev = torch.tensor([3, 77])
+    a, b = back.draft_logits(h), served.draft_logits(h)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(back.chain_logits(a, h, prev)[0], served.chain_logits(b, h, prev)[0], rtol=0, atol=0)

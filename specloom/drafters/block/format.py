@@ -432,9 +432,19 @@ def save_speculators(model: BlockDraftModel, path: str, meta: dict, kind: str, d
                     "confidence_head_with_markov": cfg.confidence_with_markov})
     raw["specloom"] = _meta(meta, cfg)
     sd = _state(model, dtype)
-    if cfg.draft_vocab_size:  # t2d (which target ids the draft vocabulary holds): speculators' converter reads it
+    vocab = model.draft_vocab
+    if vocab is not None and not cfg.draft_vocab_size:
+        # reduced at run time (FR-Spec, `draft_vocab`): written as speculators' reduced vocabulary, so vLLM serves
+        # what specloom serves -- the head's rows as lm_head, the Markov output's rows, d2t
+        n = len(vocab)
+        sd["lm_head.weight"] = model._shared["head"].weight.detach().cpu().to(dtype).contiguous()
+        if cfg.markov_rank:
+            sd["markov_head.markov_w2.weight"] = model._shared["markov_w2"].weight.detach().cpu().to(dtype).contiguous()
+        sd["d2t"] = vocab.cpu() - torch.arange(n)
+        raw["draft_vocab_size"] = n
+    if raw["draft_vocab_size"] != cfg.vocab_size:  # t2d (the target ids it holds): speculators' converter reads it
         sd["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-        sd["t2d"][torch.arange(cfg.draft_vocab_size) + sd["d2t"]] = True
+        sd["t2d"][torch.arange(raw["draft_vocab_size"]) + sd["d2t"]] = True
     _write(path, raw, sd)
 
 
