@@ -187,9 +187,9 @@ def test_recomputed_hidden_states_equal_a_direct_forward(tiny, tmp_path):
 
 
 def test_cache_only_keeps_the_named_sequences(tiny, tmp_path, monkeypatch):
-    """`cache_only` (set by `specloom train` for a run of one pass over its data under the default budget: the
-    held-out sequences, which evaluations re-read) keeps those sequences' states and no others; a run of several
-    epochs, or one given --cache-hidden-gb, keeps any."""
+    """`cache_only` (set by `specloom train` for a run of one pass over its data, or one a --max-minutes budget
+    ends, under the default budget: the held-out sequences, which evaluations re-read) keeps those sequences'
+    states and no others; a run of several epochs, or one given --cache-hidden-gb, keeps any."""
     from specloom.jobs import train as J
     from specloom.training.dataset import DistillData
 
@@ -211,7 +211,8 @@ def test_cache_only_keeps_the_named_sequences(tiny, tmp_path, monkeypatch):
     base = ["train", "medusa", "--target", t.path, "--data", out, "--tokens-per-batch", "64", "--warmup", "1",
             "--medusa-heads", "1", "--eval-fraction", "0.3"]
     for extra, one_pass in ((["--steps", "1"], True), (["--epochs", "2"], False),
-                            (["--steps", "1", "--cache-hidden-gb", "1"], False)):
+                            (["--steps", "1", "--cache-hidden-gb", "1"], False),
+                            (["--epochs", "2", "--max-minutes", "5"], True)):
         seen.clear()
         assert main(base + extra + ["--out", str(tmp_path / f"m{len(extra)}{one_pass}")]) == 0
         d = seen[0]

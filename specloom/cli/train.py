@@ -36,7 +36,8 @@ def add(sub) -> None:
     p.add_argument("--cache-hidden-gb", type=float, default=None,
                    help="tokens-only data: keep up to this many GB of recomputed hidden states in memory for later "
                         "epochs (default: half the memory available at start -- in a run of one pass over the "
-                        "data only the held-out sequences' states; 0: recompute every batch)")
+                        "data, or one --max-minutes ends, only the held-out sequences' states; 0: recompute every "
+                        "batch)")
     p.add_argument("--eval-fraction", type=float, default=0.02)
     p.add_argument("--max-minutes", type=float, default=None,
                    help="stop training after this long in all (a resumed run goes on with what is left), then "

@@ -156,10 +156,12 @@ def _train(args, dev: torch.device, trainer_cls) -> dict:
     distributed.check_split(train_groups, [len(t) for t, _, _ in data.seqs], args.tokens_per_batch)
     batches_per_epoch = len(train_groups)
     total = args.steps or batches_per_epoch * args.epochs
-    if getattr(args, "cache_hidden_gb", None) is None and total <= batches_per_epoch:
-        # one pass over the data: no training sequence comes back, so the default cache keeps only the held-out
-        # ones the periodic evaluations re-read (it had filled half the memory with states never read again:
-        # two such trainings on one machine were OOM-killed)
+    if getattr(args, "cache_hidden_gb", None) is None and (total <= batches_per_epoch
+                                                           or getattr(args, "max_minutes", None)):
+        # one pass over the data, or a run its --max-minutes budget ends (its --steps a mere ceiling: such runs
+        # stopped well inside their first pass here): no training sequence comes back, so the default cache keeps
+        # only the held-out ones the periodic evaluations re-read (it had filled half the memory with states never
+        # read again: trainings side by side on one machine were OOM-killed, twice)
         data.cache_only = set(eval_idx)
     step, history, evals, seen = 0, [], [], 0
     before = 0.0  # seconds a resumed run had already spent of its --max-minutes budget
