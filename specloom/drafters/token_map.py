@@ -50,6 +50,16 @@ def sliced_head(head, ids: torch.Tensor) -> torch.nn.Linear:
     return out
 
 
+def drafting_rows(linear, ids: torch.Tensor) -> torch.nn.Module:
+    """The rows `ids` of `linear` (`sliced_head`) with the drafting kernel the drafter's own linears run."""
+    from ..models.cpu_packing import pack_linears
+
+    holder = torch.nn.Module()
+    holder.rows = sliced_head(linear, ids)
+    pack_linears(holder)
+    return holder.rows
+
+
 def count_tokens(tokenizer, texts, vocab_size: int) -> torch.Tensor:
     """Counts (V,) of the tokenizer's ids over `texts` (no special tokens added)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)

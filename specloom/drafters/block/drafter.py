@@ -142,8 +142,7 @@ class BlockDrafter(Drafter):
         """FR-Spec's reduced draft vocabulary: the request's `draft_vocab` (ranked by its `token_map`, else the
         map bundled for the tokenizer), else the checkpoint's own `specloom.draft_vocab`; a size equal to the
         vocabulary keeps all of it (a request's way to turn a checkpoint's default off)."""
-        from ..token_map import reduced_vocabulary, sliced_head
-        from ...models.cpu_packing import pack_linears
+        from ..token_map import drafting_rows, reduced_vocabulary
 
         V = target.config.vocab_size
         if model.config.draft_vocab_size:
@@ -160,10 +159,8 @@ class BlockDrafter(Drafter):
             return
         ids = reduced_vocabulary(size, spec.token_map, tokenizer, V, tuple(getattr(tokenizer, "eos_token_ids", ())
                                                                            or ()))
-        holder = torch.nn.Module()
-        holder.head = sliced_head(target.lm_head, ids)
-        pack_linears(holder)  # the drafting kernel of the drafter's own linears (the rows' values as the target's)
-        model.use_draft_vocab(ids.to(holder.head.weight.device), holder.head)
+        head = drafting_rows(target.lm_head, ids)  # the rows' values as the target's, the drafter's kernel
+        model.use_draft_vocab(ids.to(head.weight.device), head)
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -342,15 +342,9 @@ class BlockDraftModel(nn.Module):
         bias and the tree's top-k falls with V_d / V."""
         self._shared.update(vocab=ids, head=head)
         if self.has_markov and self.markov_head.markov_w2.out_features == self.config.vocab_size:
-            w = self.markov_head.markov_w2.weight.detach()
-            w2 = nn.Linear(w.shape[1], len(ids), bias=False, device=w.device, dtype=w.dtype)
-            w2.weight = nn.Parameter(w[ids.to(w.device)].clone(), requires_grad=False)
-            holder = nn.Module()
-            holder.w2 = w2
-            from ...models.cpu_packing import pack_linears
+            from ..token_map import drafting_rows
 
-            pack_linears(holder)  # the kernel the drafter's other linears run
-            self._shared["markov_w2"] = holder.w2
+            self._shared["markov_w2"] = drafting_rows(self.markov_head.markov_w2, ids)
 
     @property
     def draft_vocab(self) -> torch.Tensor | None:
