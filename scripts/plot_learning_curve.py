@@ -36,7 +36,7 @@ def main(argv: list[str]) -> int:
                 print(f"{label or path}\t{k}\t{x:.3f}M\t{y:.3f}")
     ax.set_xlabel("answer tokens seen in training (M)")
     ax.set_ylabel("held-out top-1 agreement with the target")
-    ax.set_title("EAGLE-3 learning curve (SmolLM2-135M)")
+    ax.set_title("Drafter learning curves (SmolLM2-135M)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

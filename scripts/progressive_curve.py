@@ -1,8 +1,7 @@
 """Learning curves from a training run's own history: every batch of a first pass over the data is scored before
 the step that learns from it, so a running mean of the per-step metrics is a held-out estimate ("progressive
 validation") with a point every step, where `--eval-every` gives only a few. The run's held-out evaluations
-(`evals.json`) are drawn as markers on the same axes; a `--start` figure (e.g. the warm start's held-out score)
-as the curve's first point.
+(`evals.json`) are drawn as markers on the same axes.
 
     python scripts/progressive_curve.py RUN_DIR[:LABEL[:OFFSET]] [...] --out docs/curve.png \
         [--metrics acc0,tau] [--window 50]
