@@ -5,7 +5,7 @@ The common keys (vLLM's names) are checked here: `method`, `model`, `num_specula
 KV stores, kv_quant.py; only for kinds that keep one: `Drafter.keeps_kv`). Every other key belongs to a drafter kind,
 which declares it with its check in its registration record (drafters/base.py `Kind.keys`): e.g. `tree_width` and
 `num_draft_tokens` (trees: draft_model, eagle, eagle3, mtp; medusa takes `num_draft_tokens`), `draft_vocab` /
-`token_map` (draft_model: a frequency-ranked reduced draft vocabulary), `draft_kernel` (draft_model: the
+`token_map` (draft_model, eagle, eagle3, mtp, dflash, dflash2, dspark: a frequency-ranked reduced draft vocabulary), `draft_kernel` (draft_model: the
 draft model's linear kernel, e.g. `int8`),
 `prompt_lookup_min` / `prompt_lookup_max` (ngram), `suffix_decoding_*` (suffix), `confidence_threshold` (dflash,
 dspark). A key no kind knows is refused with the list of known ones; a key of another kind is refused naming the

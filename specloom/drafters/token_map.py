@@ -127,20 +127,66 @@ def read_token_map(path: str, tokenizer, vocab_size: int) -> dict:
     return m
 
 
+def ranking(token_map: str | None, tokenizer, vocab_size: int) -> list[int]:
+    """The ids of the map `token_map` (else the one bundled for this tokenizer), most frequent first."""
+    path = token_map or bundled_path(tokenizer)
+    if path is None:
+        raise SpecloomError("draft_vocab needs a token frequency ranking for this tokenizer and none is bundled: "
+                            "make one with `specloom token-map MODEL --prompts FILES --out F.json` and pass "
+                            "\"token_map\": \"F.json\"")
+    return read_token_map(path, tokenizer, vocab_size)["ranked"]
+
+
 def reduced_vocabulary(size: int, token_map: str | None, tokenizer, vocab_size: int,
                        keep: tuple[int, ...] = ()) -> torch.Tensor:
     """The sorted ids (size,) of the `size` most frequent tokens of the map (`token_map`, else the bundled map for
     this tokenizer), `keep` (the EOS ids) always among them; ids the map never saw fill up in id order."""
     if size >= vocab_size:
         raise SpecloomError(f"draft_vocab {size} is not smaller than the vocabulary ({vocab_size} tokens): drop it")
-    path = token_map or bundled_path(tokenizer)
-    if path is None:
-        raise SpecloomError("draft_vocab needs a token frequency ranking for this tokenizer and none is bundled: "
-                            "make one with `specloom token-map MODEL --prompts FILES --out F.json` and pass "
-                            "\"token_map\": \"F.json\"")
-    ranked = read_token_map(path, tokenizer, vocab_size)["ranked"]
+    ranked = ranking(token_map, tokenizer, vocab_size)
     chosen = list(dict.fromkeys([k for k in keep if 0 <= k < vocab_size] + ranked))[:size]
     if len(chosen) < size:
         have = set(chosen)
         chosen += [i for i in range(vocab_size) if i not in have][: size - len(chosen)]
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def requested_size(spec, meta: dict, path: str) -> int | None:
+    """The draft vocabulary size asked for: the request's `draft_vocab`, else the checkpoint's own
+    `specloom.draft_vocab`, else None; a `token_map` without a size is refused."""
+    from ..config_fields import int_field
+
+    size = spec.draft_vocab or int_field(meta, "draft_vocab", None, prefix="specloom.",
+                                         what=f"{path}: drafter config", bound="vocab_size")
+    if spec.token_map and not size:
+        raise SpecloomError('"token_map" ranks the tokens for "draft_vocab": give "draft_vocab": N as well')
+    return size
+
+
+def requested_vocabulary(spec, meta: dict, tokenizer, vocab_size: int, path: str) -> torch.Tensor | None:
+    """The reduced draft vocabulary a drafter that scores the target's whole vocabulary runs with (FR-Spec): the
+    request's `draft_vocab` (ranked by its `token_map`, else the map bundled for the tokenizer), else the
+    checkpoint's own `specloom.draft_vocab`; None where neither asks for one or the size equals the vocabulary (a
+    request's way to turn a checkpoint's default off). The sorted target ids, the end-of-sequence ids among them."""
+    size = requested_size(spec, meta, path)
+    if not size or size == vocab_size:
+        return None
+    return reduced_vocabulary(size, spec.token_map, tokenizer, vocab_size,
+                              tuple(getattr(tokenizer, "eos_token_ids", ()) or ()))
+
+
+def ranked_rows(ids: torch.Tensor, size: int, token_map: str | None, tokenizer, vocab_size: int) -> torch.Tensor | None:
+    """For a drafter whose own head already covers a reduced vocabulary (EAGLE-3's `d2t`: target ids `ids`,
+    sorted): the rows (sorted positions in `ids`) of its `size` most frequent tokens by the map (`token_map`, else
+    the bundled one), end-of-sequence ids first; None when `size` keeps every row."""
+    if size >= ids.numel():
+        return None
+    ranked = ranking(token_map, tokenizer, vocab_size)
+    eos = [k for k in (getattr(tokenizer, "eos_token_ids", ()) or ()) if 0 <= k < vocab_size]
+    rank = torch.full((vocab_size,), vocab_size + len(ranked), dtype=torch.long)  # unseen: after every ranked id
+    rank[torch.tensor(ranked, dtype=torch.long)] = torch.arange(len(ranked))
+    if eos:
+        rank[torch.tensor(eos)] = -1
+    order = torch.argsort(rank[ids.cpu()] * (ids.numel() + 1) + torch.arange(ids.numel()))  # ties: the lower id
+    return order[:size].sort().values
+

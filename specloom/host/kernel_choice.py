@@ -48,8 +48,9 @@ INVARIANT_SLACK = 1.03  # a batch-invariant kernel may be this much slower than 
 NOISY = 0.15  # a pass whose median repeat is this much above its fastest: the host was busy
 PROBE_BUDGET_S = 20.0  # the most a probe may spend repeating rounds on a noisy host
 LIVE_CHECK = 0.80  # a live decode step faster than this share of the cached one: the cache was taken under load
-PROBE_VERSION = 3  # cached probes of another version are measured again (2: the one-row micro-probe; 3: the
-# invariance check that sampled three rows and skipped linears held as GGUF blocks)
+PROBE_VERSION = 4  # cached probes of another version are measured again (2: the one-row micro-probe; 3: the
+# invariance check that sampled three rows and skipped linears held as GGUF blocks; 4: verification passes timed
+# with the logits of every row, as the engine runs them -- 3 computed the last row's only, 1 of 5 head rows)
 
 
 @dataclass
@@ -219,7 +220,7 @@ def probe_kernels(model: nn.Module, kernels: list[str], widths=WIDTHS, context: 
                 for w in widths:
                     sync(dev)
                     s = time.perf_counter()
-                    model(*inputs[w], kv, num_logits=1)
+                    model(*inputs[w], kv)  # logits of every row, as verification computes them
                     sync(dev)
                     kv.truncate(context)
                     if rnd:  # round 0 warms up (and builds each kernel's modules)

@@ -142,7 +142,7 @@ class BlockDrafter(Drafter):
         """FR-Spec's reduced draft vocabulary: the request's `draft_vocab` (ranked by its `token_map`, else the
         map bundled for the tokenizer), else the checkpoint's own `specloom.draft_vocab`; a size equal to the
         vocabulary keeps all of it (a request's way to turn a checkpoint's default off)."""
-        from ..token_map import drafting_rows, reduced_vocabulary
+        from ..token_map import drafting_rows, requested_vocabulary
 
         V = target.config.vocab_size
         if model.config.draft_vocab_size:
@@ -151,14 +151,9 @@ class BlockDrafter(Drafter):
                                     f"{model.config.draft_vocab_size} tokens (its d2t); draft_vocab / token_map "
                                     "cannot change it")
             return
-        size = spec.draft_vocab or int_field(meta, "draft_vocab", None, prefix="specloom.",
-                                             what=f"{path}: drafter config", bound="vocab_size")
-        if spec.token_map and not size:
-            raise SpecloomError('"token_map" ranks the tokens for "draft_vocab": give "draft_vocab": N as well')
-        if not size or size == V:
+        ids = requested_vocabulary(spec, meta, tokenizer, V, path)
+        if ids is None:
             return
-        ids = reduced_vocabulary(size, spec.token_map, tokenizer, V, tuple(getattr(tokenizer, "eos_token_ids", ())
-                                                                           or ()))
         head = drafting_rows(target.lm_head, ids)  # the rows' values as the target's, the drafter's kernel
         model.use_draft_vocab(ids.to(head.weight.device), head)
 

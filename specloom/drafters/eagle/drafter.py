@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ...tree import DraftTree
-from ..base import DraftContext, Drafter, TREE_KEYS, register
+from ..base import DraftContext, Drafter, TREE_KEYS, VOCAB_KEYS, register
 from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_tensor
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
@@ -142,6 +142,7 @@ class EagleDrafter(Drafter):
 
         path = find_drafter_dir(spec.model, cls.method, target.config)
         model, meta = load_drafter(path, cls.method, target, tokenizer)
+        cls._reduce_vocab(spec, meta, model, target, tokenizer, path)
         d_depth, d_width, d_nodes = DEFAULTS[cls.method]
         depth = spec.num_speculative_tokens or meta.get("depth") or d_depth
         width = spec.tree_width or meta.get("tree_width") or d_width
@@ -155,6 +156,26 @@ class EagleDrafter(Drafter):
         if not (spec.num_speculative_tokens or spec.tree_width or getattr(spec, "num_draft_tokens", None)):
             d.shape_table = ShapeTable.from_meta(meta, (depth, width, nodes))
         return d
+
+    @staticmethod
+    def _reduce_vocab(spec, meta, model, target, tokenizer, path) -> None:
+        """FR-Spec's reduced draft vocabulary (`draft_vocab`, ranked by `token_map` or the bundled map; else the
+        checkpoint's own `specloom.draft_vocab`): EAGLE-1 scores those rows of the target's head; EAGLE-3 keeps
+        the most frequent `draft_vocab` rows of its own head (a size at least its vocabulary keeps them all)."""
+        from ..token_map import drafting_rows, ranked_rows, requested_size, requested_vocabulary
+
+        V = target.config.vocab_size
+        if model.config.eagle3:
+            size = requested_size(spec, meta, path)
+            ids = torch.arange(model.config.draft_vocab_size) + model.d2t.cpu()
+            rows = ranked_rows(ids, size, spec.token_map, tokenizer, V) if size else None
+            if rows is not None:
+                model.keep_head_rows(rows)
+            return
+        ids = requested_vocabulary(spec, meta, tokenizer, V, path)
+        if ids is not None:
+            head = drafting_rows(target.lm_head, ids)
+            model.use_draft_vocab(ids.to(head.weight.device), head)
 
     def fit_tree(self, curve) -> bool:
         """Re-choose the tree for this host's verify-cost curve (`curve(1, t)`: seconds of a t-token pass), once,
@@ -182,7 +203,8 @@ class EagleDrafter(Drafter):
         from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.model.config
-        return {"weights": module_bytes(self.model),
+        own_head = [self.model._shared["head"]] if self.model._shared.get("vocab") is not None else []
+        return {"weights": module_bytes(self.model, *own_head),  # a reduced vocabulary's rows are a copy
                 "kv_per_1k_tokens": kv_bytes_per_1k(1, c.num_kv_heads, c.head_dim,
                                                     self.model.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 
@@ -398,7 +420,7 @@ class EagleDrafter(Drafter):
     _select = staticmethod(keep_best)  # the rerank (rows.py), shared with the block drafters' trees
 
 
-@register("eagle", TREE_KEYS, (".trainer",),
+@register("eagle", {**TREE_KEYS, **VOCAB_KEYS}, (".trainer",),
           no_export="EAGLE-1 has no speculators kind (0.9.0 has eagle3); the EAGLE-1 directory specloom writes is the "
                     'layout vLLM reads with "method": "eagle"')
 class Eagle1Drafter(EagleDrafter):
@@ -406,7 +428,7 @@ class Eagle1Drafter(EagleDrafter):
     graphable = True
 
 
-@register("eagle3", TREE_KEYS, (".trainer",))
+@register("eagle3", {**TREE_KEYS, **VOCAB_KEYS}, (".trainer",))
 class Eagle3Drafter(EagleDrafter):
     eagle3 = True
     graphable = True

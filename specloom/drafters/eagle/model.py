@@ -263,16 +263,42 @@ class EagleDraftModel(nn.Module):
         return self._shared["head"](h.to(compute_dtype(self._shared["head"]))).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids] if self.config.eagle3 else draft_ids
+        if self.config.eagle3:
+            return draft_ids + self.d2t[draft_ids]
+        v = self._shared.get("vocab")
+        return draft_ids if v is None else v[draft_ids]
 
     def expand_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits -> target-vocabulary logits (-inf outside the draft vocabulary)."""
-        if not self.config.eagle3 or self.config.draft_vocab_size == self.config.vocab_size:
-            return logits
         from ..token_map import expand_logits
 
+        if not self.config.eagle3:
+            v = self._shared.get("vocab")
+            return logits if v is None else expand_logits(logits, v, self.config.vocab_size)
+        if self.config.draft_vocab_size == self.config.vocab_size:
+            return logits
         ids = torch.arange(self.config.draft_vocab_size, device=logits.device) + self.d2t
         return expand_logits(logits, ids, self.config.vocab_size)
+
+    # -- a reduced draft vocabulary at inference (FR-Spec; drafters/token_map.py) ------------------------------
+    def use_draft_vocab(self, ids: torch.Tensor, head: nn.Module) -> None:
+        """EAGLE-1, which scores through the target's head: score only the target ids `ids` (sorted) through
+        `head` (those rows of the target's head). Drafts map back to target ids and a sampled q is zero elsewhere,
+        so the output is unchanged; only tokens outside cannot be drafted, and the head's share of a drafting
+        pass (49,152 x 576 on SmolLM2: 3.5x the drafter's own weights) falls with len(ids) / V."""
+        self._shared.update(vocab=ids, head=head)
+
+    def keep_head_rows(self, rows: torch.Tensor) -> None:
+        """EAGLE-3, whose own head covers its draft vocabulary (`d2t`): keep only the head rows `rows` (sorted
+        positions in it), e.g. the most frequent tokens (`ranked_rows`), for a cheaper drafting pass."""
+        from ..token_map import drafting_rows
+
+        ids = (torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t)[rows.to(self.d2t.device)]
+        self.lm_head = drafting_rows(self.lm_head, rows)
+        self.d2t = ids - torch.arange(ids.numel(), device=ids.device)
+        self.t2d = torch.zeros_like(self.t2d)
+        self.t2d[ids] = True
+        self.config.draft_vocab_size = int(ids.numel())
 
     # -- inference -------------------------------------------------------------------------------------------
     def forward(self, u: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, kv,

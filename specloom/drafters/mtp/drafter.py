@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from ..base import TREE_KEYS, register
+from ..base import TREE_KEYS, VOCAB_KEYS, register
 from ..eagle.drafter import EagleDrafter
 from ..rows import fitting_groups, own_store
 
@@ -32,21 +32,24 @@ log = logging.getLogger("specloom")
 
 
 class _MTPAdapter:
-    """What EagleDrafter's chain and tree code read from `self.model` (full target vocabulary: no mapping)."""
+    """What EagleDrafter's chain and tree code read from `self.model`: the target vocabulary, or a reduced one
+    (`draft_vocab`: draft ids map back to target ids, -inf outside it)."""
 
     def __init__(self, model):
         self.mtp = model
 
-    @staticmethod
-    def to_target_ids(ids):
-        return ids
+    def to_target_ids(self, ids):
+        v = self.mtp.draft_vocab
+        return ids if v is None else v[ids]
 
-    @staticmethod
-    def expand_logits(logits):
-        return logits
+    def expand_logits(self, logits):
+        from ..token_map import expand_logits
+
+        v = self.mtp.draft_vocab
+        return logits if v is None else expand_logits(logits, v, self.mtp.config.vocab_size)
 
 
-@register("mtp", TREE_KEYS, (".trainer", ".train_target"))
+@register("mtp", {**TREE_KEYS, **VOCAB_KEYS}, (".trainer", ".train_target"))
 class MTPDrafter(EagleDrafter):
     def __init__(self, mtp, depth: int, width: int, num_nodes: int | None):
         self.mtp = mtp
@@ -64,10 +67,15 @@ class MTPDrafter(EagleDrafter):
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "MTPDrafter":
+        from ..token_map import drafting_rows, requested_vocabulary
         from .format import find_mtp_dir, load_mtp
 
         path = find_mtp_dir(spec.model, target.config)
         mtp, meta = load_mtp(path, target, tokenizer)
+        ids = requested_vocabulary(spec, meta, tokenizer, target.config.vocab_size, path)
+        if ids is not None:  # FR-Spec's reduced draft vocabulary: those rows of the target's head
+            head = drafting_rows(target.lm_head, ids)
+            mtp.use_draft_vocab(ids.to(head.weight.device), head)
         N = mtp.num_layers
         depth = spec.num_speculative_tokens or meta.get("depth") or N
         if depth > N:
@@ -87,7 +95,8 @@ class MTPDrafter(EagleDrafter):
         from ..base import kv_bytes_per_1k, module_bytes
 
         c = self.mtp.config
-        return {"weights": module_bytes(self.mtp),
+        own_head = [self.mtp._shared["head"]] if self.mtp.draft_vocab is not None else []
+        return {"weights": module_bytes(self.mtp, *own_head),  # a reduced vocabulary's rows are a copy
                 "kv_per_1k_tokens": kv_bytes_per_1k(self.mtp.num_layers, c.num_kv_heads, c.head_dim,
                                                     self.mtp.new_kv(1, dtype=self.kv_cache_dtype).kv_type)}
 

@@ -83,8 +83,20 @@ class MTPModel(nn.Module):
     def logits(self, i: int, h: torch.Tensor) -> torch.Tensor:
         """Module i's output (…, H) -> fp32 logits over the target vocabulary (through the target's head)."""
         t = self._shared["target"]
+        head = self._shared.get("head")
         x = self.layers[i].shared_head.norm(h)
-        return t.logits(x.to(compute_dtype(t.lm_head)))
+        if head is None:
+            return t.logits(x.to(compute_dtype(t.lm_head)))
+        return t.logits(x.to(compute_dtype(head)), head)
+
+    def use_draft_vocab(self, ids: torch.Tensor, head: nn.Module) -> None:
+        """Score only the target ids `ids` (sorted) through `head` (those rows of the target's head): FR-Spec's
+        reduced draft vocabulary, as for EAGLE-1 (eagle/model.py)."""
+        self._shared.update(vocab=ids, head=head)
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        return self._shared.get("vocab")
 
     def _input(self, i: int, h_prev: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
