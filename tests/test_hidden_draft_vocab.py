@@ -4,6 +4,7 @@ covers its draft vocabulary (`d2t`): it keeps the N most frequent of its rows. E
 back to target ids and a sampled q is zero outside the N tokens, so the output is still the target's own --
 greedy identical to plain, sampling distributed as plain, an oracle whose tokens lie inside the N all accepted."""
 
+import os
 import random
 import warnings
 
@@ -152,3 +153,21 @@ def test_bad_settings(drafters, tmp_path):
         _engine(t, paths["eagle3"], "eagle3", draft_vocab=50, token_map=str(tmp_path / "missing.json"))
     e = _engine(t, paths["eagle3"], "eagle3", draft_vocab=500, token_map=_map(t, tmp_path))  # >= its 200: all kept
     assert e.drafter.model.config.draft_vocab_size == 200
+
+
+def test_sliced_checkpoint_drafts_as_the_load_time_slice(drafters, tmp_path):
+    """scripts/slice_eagle3_vocab.py stores the rows `draft_vocab` keeps at load: the same d2t and head scores."""
+    import subprocess
+    import sys
+
+    t, paths = drafters
+    tmap = _map(t, tmp_path, 4)
+    out = tmp_path / "sliced"
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "slice_eagle3_vocab.py")
+    subprocess.run([sys.executable, script, paths["eagle3"], "--draft-vocab", "64", "--token-map", tmap, "--out",
+                    str(out)], check=True, capture_output=True)
+    a = _engine(t, paths["eagle3"], "eagle3", draft_vocab=64, token_map=tmap).drafter.model
+    b = _engine(t, str(out), "eagle3").drafter.model
+    assert b.config.draft_vocab_size == 64 and torch.equal(a.d2t, b.d2t) and torch.equal(a.t2d, b.t2d)
+    h = torch.randn(2, t.model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(b.draft_logits(h), a.draft_logits(h), rtol=0, atol=0)
