@@ -2,7 +2,8 @@
 
 Settings (`--speculative-config`): `model` (drafter checkpoint directory; omitted = the drafter bundled for the
 target, if any), `num_speculative_tokens` (draft depth), `tree_width` (top-k expanded per depth; 1 = chain) and
-`num_draft_tokens` (tree nodes kept after reranking; SGLang's `speculative_num_draft_tokens`).
+`num_draft_tokens` (tree nodes kept after reranking; SGLang's `speculative_num_draft_tokens`), `draft_vocab` /
+`token_map` (FR-Spec's reduced draft vocabulary, `_reduce_vocab`).
 
 Per step (drafters.md §2.3): the drafter KV first takes the target features of the newly committed positions
 (row t = feature f_t + token x_{t+1}, position t); its last output h* scores the root's children. A chain then

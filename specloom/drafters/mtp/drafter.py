@@ -2,7 +2,8 @@
 
 Settings: `model` (a checkpoint directory holding MTP layers; omitted = the target's own checkpoint, or the MTP
 layers bundled with specloom for this target), `num_speculative_tokens` (draft depth; default = the number of MTP
-layers), `tree_width` / `num_draft_tokens` (EAGLE-2 dynamic trees, as for `eagle`).
+layers), `tree_width` / `num_draft_tokens` (EAGLE-2 dynamic trees, as for `eagle`), `draft_vocab` / `token_map`
+(FR-Spec: only those rows of the target's head score the drafts).
 
 Draft step j uses MTP layer j mod N, each layer with its own drafter KV cache (drafters.md §4):
 
