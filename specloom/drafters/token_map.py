@@ -190,3 +190,13 @@ def ranked_rows(ids: torch.Tensor, size: int, token_map: str | None, tokenizer, 
     order = torch.argsort(rank[ids.cpu()] * (ids.numel() + 1) + torch.arange(ids.numel()))  # ties: the lower id
     return order[:size].sort().values
 
+
+def use_requested_vocabulary(spec, meta: dict, model, target, tokenizer, path: str) -> None:
+    """Give `model` (a drafter scoring through the target's head: EAGLE-1, MTP, the block drafters) the reduced
+    vocabulary `requested_vocabulary` names, if any: those rows of the target's head with the drafter's kernel
+    (`model.use_draft_vocab(ids, head)`)."""
+    ids = requested_vocabulary(spec, meta, tokenizer, target.config.vocab_size, path)
+    if ids is not None:
+        head = drafting_rows(target.lm_head, ids)  # the rows' values as the target's, the drafter's kernel
+        model.use_draft_vocab(ids.to(head.weight.device), head)
+

@@ -142,20 +142,15 @@ class BlockDrafter(Drafter):
         """FR-Spec's reduced draft vocabulary: the request's `draft_vocab` (ranked by its `token_map`, else the
         map bundled for the tokenizer), else the checkpoint's own `specloom.draft_vocab`; a size equal to the
         vocabulary keeps all of it (a request's way to turn a checkpoint's default off)."""
-        from ..token_map import drafting_rows, requested_vocabulary
+        from ..token_map import use_requested_vocabulary
 
-        V = target.config.vocab_size
         if model.config.draft_vocab_size:
             if spec.draft_vocab or spec.token_map:
                 raise SpecloomError(f"{path}: this drafter's vocabulary is already reduced to "
                                     f"{model.config.draft_vocab_size} tokens (its d2t); draft_vocab / token_map "
                                     "cannot change it")
             return
-        ids = requested_vocabulary(spec, meta, tokenizer, V, path)
-        if ids is None:
-            return
-        head = drafting_rows(target.lm_head, ids)  # the rows' values as the target's, the drafter's kernel
-        model.use_draft_vocab(ids.to(head.weight.device), head)
+        use_requested_vocabulary(spec, meta, model, target, tokenizer, path)
 
     @property
     def num_speculative_tokens(self) -> int:

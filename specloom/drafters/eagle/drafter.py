@@ -163,20 +163,15 @@ class EagleDrafter(Drafter):
         """FR-Spec's reduced draft vocabulary (`draft_vocab`, ranked by `token_map` or the bundled map; else the
         checkpoint's own `specloom.draft_vocab`): EAGLE-1 scores those rows of the target's head; EAGLE-3 keeps
         the most frequent `draft_vocab` rows of its own head (a size at least its vocabulary keeps them all)."""
-        from ..token_map import drafting_rows, ranked_rows, requested_size, requested_vocabulary
+        from ..token_map import ranked_rows, requested_size, use_requested_vocabulary
 
-        V = target.config.vocab_size
-        if model.config.eagle3:
-            size = requested_size(spec, meta, path)
-            ids = torch.arange(model.config.draft_vocab_size) + model.d2t.cpu()
-            rows = ranked_rows(ids, size, spec.token_map, tokenizer, V) if size else None
-            if rows is not None:
-                model.keep_head_rows(rows)
-            return
-        ids = requested_vocabulary(spec, meta, tokenizer, V, path)
-        if ids is not None:
-            head = drafting_rows(target.lm_head, ids)
-            model.use_draft_vocab(ids.to(head.weight.device), head)
+        if not model.config.eagle3:
+            return use_requested_vocabulary(spec, meta, model, target, tokenizer, path)
+        size = requested_size(spec, meta, path)
+        ids = torch.arange(model.config.draft_vocab_size) + model.d2t.cpu()
+        rows = ranked_rows(ids, size, spec.token_map, tokenizer, target.config.vocab_size) if size else None
+        if rows is not None:
+            model.keep_head_rows(rows)
 
     def fit_tree(self, curve) -> bool:
         """Re-choose the tree for this host's verify-cost curve (`curve(1, t)`: seconds of a t-token pass), once,

@@ -68,15 +68,12 @@ class MTPDrafter(EagleDrafter):
 
     @classmethod
     def create(cls, spec, target, tokenizer) -> "MTPDrafter":
-        from ..token_map import drafting_rows, requested_vocabulary
+        from ..token_map import use_requested_vocabulary
         from .format import find_mtp_dir, load_mtp
 
         path = find_mtp_dir(spec.model, target.config)
         mtp, meta = load_mtp(path, target, tokenizer)
-        ids = requested_vocabulary(spec, meta, tokenizer, target.config.vocab_size, path)
-        if ids is not None:  # FR-Spec's reduced draft vocabulary: those rows of the target's head
-            head = drafting_rows(target.lm_head, ids)
-            mtp.use_draft_vocab(ids.to(head.weight.device), head)
+        use_requested_vocabulary(spec, meta, mtp, target, tokenizer, path)  # FR-Spec: rows of the target's head
         N = mtp.num_layers
         depth = spec.num_speculative_tokens or meta.get("depth") or N
         if depth > N:
