@@ -183,7 +183,7 @@ def test_dataset_records_the_probe(target, tmp_path):
 def test_bundled_drafters_carry_a_recording():
     from specloom.drafters.checkpoint import bundled_dirs
 
-    dirs = [d for m in ("eagle3", "eagle", "medusa", "dflash", "dspark", "mtp") for d in bundled_dirs(m)]
+    dirs = [d for m in ("eagle3", "eagle", "medusa", "dflash", "dflash2", "dspark", "mtp") for d in bundled_dirs(m)]
     assert dirs
     for d in dirs:
         assert os.path.getsize(os.path.join(d, "config.json")) < 100_000

@@ -209,7 +209,7 @@ def test_bundled_lookup_and_settings(drafters):
     from specloom.drafters.mtp.format import declares_mtp
 
     builtin = {"mtp": declares_mtp, "dspark": _declares_dspark}  # found as built into the target (overlays)
-    for method in ("eagle3", "eagle", "medusa", "dflash", "mtp", "dspark"):
+    for method in ("eagle3", "eagle", "medusa", "dflash", "dflash2", "mtp", "dspark"):
         assert bundled_dirs(method), f"no bundled {method} drafter (package data missing?)"
         for d in bundled_dirs(method):  # every bundled drafter names its target and is found for it
             fp = json.load(open(os.path.join(d, "config.json")))["specloom"]["target_fingerprint"]

@@ -48,7 +48,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 WHEELS = ("gguf", "llguidance", "fastapi", "starlette", "pydantic", "pydantic-core", "annotated-types",
           "typing-inspection", "opentelemetry-api", "importlib-metadata", "uvicorn")
 # Bundled drafters, most needed first (the README default's EAGLE-3 leads).
-DRAFTERS = ("eagle3", "dspark", "dflash", "mtp", "medusa", "eagle")
+DRAFTERS = ("eagle3", "dspark", "dflash", "dflash2", "mtp", "medusa", "eagle")
 # pip matches a manylinux tag exactly: every glibc the machine's (Ubuntu 24.04: 2.39) can run, newest first
 WHEEL_PLATFORMS = tuple(f"manylinux_2_{n}_x86_64" for n in range(39, 16, -1)) + ("manylinux2014_x86_64",
                                                                                  "manylinux1_x86_64", "any")

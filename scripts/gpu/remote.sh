@@ -68,7 +68,7 @@ train)
     # every bundled drafter (all on the machine by now), one prompt per category, before training
     step "bench: every bundled drafter (compare)" 75 "$PY" -m specloom bench smollm2-135m --device cuda \
         --prompts "$PROMPTS" --per-category 1 --max-tokens 128 --json "$O/drafters.json" --compare \
-        '{"eagle3": {"method": "eagle3"}, "dspark": {"method": "dspark"}, "dflash": {"method": "dflash"}, "mtp": {"method": "mtp"}, "medusa": {"method": "medusa"}, "eagle": {"method": "eagle"}}'
+        '{"eagle3": {"method": "eagle3"}, "dspark": {"method": "dspark"}, "dflash": {"method": "dflash"}, "dflash2": {"method": "dflash2"}, "mtp": {"method": "mtp"}, "medusa": {"method": "medusa"}, "eagle": {"method": "eagle"}}'
     # EAGLE-3 (from the bundled one) and DSpark on the committed dataset, on the GPU; weights back <= 16 MiB each
     step "gpu_train.sh" 380 env PYTHON="$PY" GPU_TRAIN_DATA=datasets/smollm2-135m \
         GPU_TRAIN_INIT=specloom/bundled/smollm2-135m/eagle3 GPU_TRAIN_EAGLE_MIN=3.5 GPU_TRAIN_DSPARK_MIN=1.5 \
