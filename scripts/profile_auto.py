@@ -4,7 +4,10 @@ categories (128 tokens, one thread), the engine's step functions by cumulative t
     python scripts/profile_auto.py plain
     python scripts/profile_auto.py '{"method": "eagle3"}'
 """
-import json, os, sys, time, torch, cProfile, pstats, collections
+import cProfile, json, os, pstats, sys, time
+
+import torch
+
 import specloom.engine as E
 torch.set_num_threads(1)
 rows=[json.loads(l) for l in open(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval", "spec_bench.jsonl"))]
