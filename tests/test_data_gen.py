@@ -340,3 +340,31 @@ def test_token_map_from_the_answers_of_the_training_split(tiny, tmp_path, capsys
     open(os.path.join(out, "meta.json"), "w").write(json.dumps(meta))
     assert main(["token-map", t.path, "--data", out, "--out", str(m_path)]) != 0
     assert "another tokenizer" in capsys.readouterr().err
+
+
+def test_a_larger_magpie_count_grows_the_data_a_smaller_one_is_refused(tiny_smol, tmp_path, capsys, monkeypatch):
+    """`--magpie N` raised on resume appends conversations (the stored ones keep their ids and are not rerun);
+    lowered, it is refused with the settings message, and nothing is lost."""
+    _, _, path = tiny_smol
+    # a random model writes no query the filter would keep; keep every query it writes (a count of one is too few)
+    monkeypatch.setattr(QueryFilter, "reason", lambda self, text, n, ended: None if n > 1 else "too short")
+    out = str(tmp_path / "d")
+    base = ["data", "--target", path, "--prompts", _prompts(tmp_path / "p.jsonl", 4), "--out", out,
+            "--max-new-tokens", "6", "--rows", "4", "--dtype", "fp32", "--kv-dtype", "fp32",
+            "--multi-turn-fraction", "0"]
+    assert main(base + ["--magpie", "3"]) == 0
+    first = {j: d["tokens"][a:b].tolist() for d, _ in _shards(out)
+             for j, a, b in zip(d["job_ids"].tolist(), d["offsets"].tolist()[:-1], d["offsets"].tolist()[1:])}
+    capsys.readouterr()
+    assert main(base + ["--magpie", "6"]) == 0
+    err = capsys.readouterr().err
+    assert "growing the Magpie conversations from 3 to 6" in err and f"{len(first)} stored already" in err
+    grown = {j: d["tokens"][a:b].tolist() for d, _ in _shards(out)
+             for j, a, b in zip(d["job_ids"].tolist(), d["offsets"].tolist()[:-1], d["offsets"].tolist()[1:])}
+    assert all(grown[j] == seq for j, seq in first.items())  # the stored conversations are untouched
+    assert set(first) - set(range(4)) and set(grown) - set(range(7))  # Magpie ones in both runs (ids 4-6, then 7-9)
+    assert set(first) >= set(range(4)) and set(grown) <= set(range(10))
+    assert json.load(open(os.path.join(out, "meta.json")))["magpie"] == 6
+    assert main(base + ["--magpie", "5"]) == 2
+    assert "other settings (magpie: 6 there, 5 now" in capsys.readouterr().err
+    assert len(_shards(out)) and sum(len(d["job_ids"]) for d, _ in _shards(out)) == len(grown)

@@ -240,7 +240,11 @@ def build_dataset(
     if os.path.isfile(meta_path):
         with open(meta_path) as f:
             old = json.load(f)
-        diff = [k for k in settings if k != "prompt_files" and old.get(k) != settings[k]]
+        # a larger --magpie only appends conversations: the ids, temperatures and turns of the stored ones are drawn
+        # first from the same seed (make_jobs), so the data there stays a prefix of the grown run
+        grows = isinstance(old.get("magpie"), int) and magpie > old["magpie"]
+        diff = [k for k in settings if k != "prompt_files" and old.get(k) != settings[k]
+                and not (k == "magpie" and grows)]
         if old.get("fingerprint", {}) != meta["fingerprint"]:
             raise SpecloomError(f"{out_dir} holds data made with another target ({old.get('target')}); "
                                 "use a new --out directory")
@@ -248,6 +252,9 @@ def build_dataset(
             raise SpecloomError(f"{out_dir} holds data made with other settings "
                                 f"({', '.join(f'{k}: {old.get(k)} there, {settings[k]} now' for k in diff)}); "
                                 "use a new --out directory or the same settings")
+        if grows:
+            print(f"specloom data: growing the Magpie conversations from {old['magpie']} to {magpie}; the stored "
+                  "ones are kept", file=sys.stderr, flush=True)
         if old.get("target_probe"):  # the data there was made with the recorded target: keep its recording
             meta["target_probe"] = old["target_probe"]
             check_behaviour(old["target_probe"], model, out_dir, tok, subject="the data there")
