@@ -70,9 +70,14 @@ class BatchCost:
         self.tokens = sorted({t for _, t in seconds})
         self.base = seconds[(self.rows[0], self.tokens[0])]
         self.observed: dict[tuple[int, int], float] = {}  # grid point -> served passes calibrating it (weights)
+        self._memo: dict[tuple[int, int], float] = {}  # c(n, t) asked since the points last changed (the depth
+        # policy asks the same few every step; `observe`, `adopt` and `rescale` clear it)
 
     def __call__(self, n: int, t: int) -> float:
-        return self._interp(n, t) / self.base
+        c = self._memo.get((n, t))
+        if c is None:
+            c = self._memo[(n, t)] = self._interp(n, t) / self.base
+        return c
 
     def _interp(self, n: float, t: float) -> float:
         def bracket(xs, x):
@@ -116,6 +121,7 @@ class BatchCost:
         if self.frozen:
             return
         ratio = min(max(seconds / self._interp(n, t), 0.25), 4.0)
+        self._memo = {}
         for key, share in self._corners(n, t):
             self.seconds[key] *= 1 + weight * share * (ratio - 1)
             self.observed[key] = self.observed.get(key, 0.0) + share
@@ -126,6 +132,7 @@ class BatchCost:
         self.seconds = dict(other.seconds)
         self.rows, self.tokens, self.base = list(other.rows), list(other.tokens), other.base
         self.observed = {}
+        self._memo = {}
 
     def _corners(self, n: float, t: float) -> list[tuple[tuple[int, int], float]]:
         """The grid points that (n, t) interpolates between, with their weights (clamped to the grid's edges)."""
@@ -147,6 +154,7 @@ class BatchCost:
         """Every point times `factor`: the same shape on a machine that now runs faster or slower."""
         self.seconds = {k: v * factor for k, v in self.seconds.items()}
         self.base *= factor
+        self._memo = {}
 
     def relative(self, rows: int | None = None) -> dict[int, float]:
         """c(rows, T) for every T on the grid (the first row count by default), e.g. to print a one-row curve."""

@@ -65,8 +65,13 @@ log = logging.getLogger("specloom")
 
 
 def geometric_tokens(alpha: float, k: int) -> float:
-    """Expected tokens from one step with a k-deep chain whose drafts are each accepted with probability alpha."""
-    return float(sum(alpha ** j for j in range(k + 1)))
+    """Expected tokens from one step with a k-deep chain whose drafts are each accepted with probability alpha:
+    1 + alpha + ... + alpha^k (summed in closed form; the policy asks it many times a step)."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 class Acceptance:
@@ -261,9 +266,9 @@ class DepthPolicy:
             n = len(alphas)
             top = min(self.max_k, max(caps))
             need = self.need()
-            base = self._rate(alphas, 0, n) * need
-            k_batch = max(range(top + 1), key=lambda k: (self._rate(alphas, k, n) if k == 0 or
-                                                          self._rate(alphas, k, n) > base else 0.0, -k))
+            rates = [self._rate(alphas, k, n) for k in range(top + 1)]
+            base = rates[0] * need
+            k_batch = max(range(top + 1), key=lambda k: (rates[k] if k == 0 or rates[k] > base else 0.0, -k))
             ks = []
             for a, c in zip(alphas, caps):
                 share = [geometric_tokens(a, k) / (self.cost(n, self.nodes(k)) / n + k * self.draft_cost)
@@ -337,7 +342,7 @@ class DepthPolicy:
                     r.acc.idle, r.acc.period = 0, self.explore_base if k > 0 else r.acc.period
                     continue
                 r.acc.idle += 1
-                if self.pays_alone(self.alpha(r.acc), c):
+                if self.pays_alone(alphas[i], c):
                     continue  # idle because of the load, not the drafter
                 if not self.probes(c):
                     if r.acc.idle >= self.patience:  # it cannot pay: stop its per-step updates too
@@ -402,7 +407,7 @@ class DepthPolicy:
         unit of pass time, (tokens + e) / c(n, width), beat those without it by the margin (the width is the
         widest tree of the step). A taken row runs at its tree's depth; returns their indices."""
         idle = [i for i, (r, k, c) in enumerate(zip(rows, ks, caps)) if k == 0 and c > 0 and r.drafting]
-        if stepper.drafter is None or not idle:
+        if stepper.drafter is None or not idle or not getattr(stepper, "offers_free_drafts", True):
             return set()
         try:
             offers = stepper.free_drafts([rows[i] for i in idle], [caps[i] for i in idle])

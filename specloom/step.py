@@ -28,7 +28,7 @@ import torch
 
 from . import penalties
 from .constraint import Constraint
-from .drafters.base import DraftContext
+from .drafters.base import DraftContext, Drafter
 from .errors import SpecloomError
 from .kv import TREE_SLACK
 from .models import ForwardOutput
@@ -316,6 +316,11 @@ class Stepper:
         return len(part)
 
     # -- the step -------------------------------------------------------------------------------------------
+    @property
+    def offers_free_drafts(self) -> bool:
+        """Whether the drafter has its own `free_drafts` (the default offers none: the policy need not ask)."""
+        return getattr(type(self.drafter), "free_drafts", Drafter.free_drafts) is not Drafter.free_drafts
+
     @torch.inference_mode()
     def free_drafts(self, rows: list[Row], caps: list[int]) -> list:
         """The drafter's free drafts (`Drafter.free_drafts`: no drafter pass) for these rows at these caps."""

@@ -178,3 +178,18 @@ def test_scheduler_runs_idle_work_only_while_idle_and_serves_meanwhile(tiny):
     assert work.calls > 10 and work.busy_calls == 0
     done, work = serve(lambda ref: _Recorder(ref, slices=3))
     assert work.calls == 3 and done == plain  # None ends it: never called again
+
+
+def test_cost_curve_answers_from_its_points_after_every_change():
+    """c(n, t) is remembered between changes of the points (the depth policy asks the same few every step);
+    calibration, adoption and rescaling each give the new value at once."""
+    from specloom.cost import BatchCost
+
+    c = BatchCost({(1, 1): 1.0, (1, 4): 2.0, (2, 1): 1.5, (2, 4): 3.0})
+    assert c(1, 2) == pytest.approx(4 / 3)
+    c.observe(1, 4, 4.0)  # a 4-token pass measured slower: the curve rises there
+    assert c(1, 4) > 2.0 and c(1, 2) > 4 / 3
+    c.adopt(BatchCost({(1, 1): 1.0, (1, 4): 1.0}))
+    assert c(1, 2) == pytest.approx(1.0)
+    c.rescale(2.0)
+    assert c(1, 4) == pytest.approx(1.0) and c.base == pytest.approx(2.0)

@@ -240,3 +240,18 @@ def test_drafter_memory_accounting(drafters):
     assert e1.drafter.memory()["weights"] == sum(x.numel() * 4 for x in e1.drafter.model.parameters())
     ng = Engine(t.model, t.tokenizer, SpeculativeConfig.parse({"method": "ngram"}))
     assert ng.drafter.memory() == {"weights": 0, "kv_per_1k_tokens": 0}
+
+
+def test_path_rows_is_the_gather_and_holds_no_pass_alive():
+    """The rows a drafter keeps of a verified path: the same values as a gather, a slice where consecutive, and
+    never a view into a larger pass (a row idle for many steps would keep every step's tensor alive)."""
+    from specloom.drafters.base import path_rows
+
+    x = torch.randn(3, 5, 4)
+    for b in range(3):
+        for path in ([0], [0, 1, 2], [2, 3], [0, 2, 4], [4], [1, 3]):
+            got = path_rows(x[b], path)
+            assert torch.equal(got, x[b][torch.tensor(path)])
+            assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+    alone = torch.randn(1, 2, 4)
+    assert path_rows(alone[0], [0, 1]).data_ptr() == alone.data_ptr()  # the whole pass: a view, no copy

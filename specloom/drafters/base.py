@@ -197,6 +197,18 @@ def export_form(name: str, **options):
     return deco
 
 
+def path_rows(x: torch.Tensor, path: list[int]) -> torch.Tensor:
+    """x's rows along `path` (node indices of a verified tree, e.g. to keep the target features of the committed
+    positions): a slice where they are consecutive -- a plain step's root, a chain's accepted nodes -- else a
+    gather; the same values either way. A row kept across idle steps must not hold a whole pass's tensor alive:
+    a slice of a larger storage is copied."""
+    p0 = path[0]
+    if path[-1] - p0 == len(path) - 1 and all(a + 1 == b for a, b in zip(path, path[1:])):
+        r = x[p0:p0 + len(path)]
+        return r if r.numel() * r.element_size() == r.untyped_storage().nbytes() else r.clone()
+    return x[torch.tensor(path, device=x.device)]
+
+
 @dataclass
 class DraftContext:
     tokens: list[int]  # prompt + generated so far; tokens[-1] is the root (chosen, not yet run by the target)

@@ -41,7 +41,7 @@ import torch
 from ...config_fields import float_field, int_field
 from ...errors import SpecloomError
 from ...tree import DraftTree
-from ..base import TREE_KEYS, VOCAB_KEYS, DraftContext, Drafter, float_key, register
+from ..base import TREE_KEYS, VOCAB_KEYS, DraftContext, Drafter, float_key, path_rows, register
 from ...kv import RowSpan
 from ..rows import chains, draw, fitting_groups, keep_best, own_store
 
@@ -183,7 +183,7 @@ class BlockDrafter(Drafter):
     def on_verified(self, ctxs, results, target_out) -> None:
         f = self._features(target_out)
         for b, (ctx, res) in enumerate(zip(ctxs, results)):
-            ctx.state.append(f[b, torch.tensor(res.path, device=f.device)])
+            ctx.state.append(path_rows(f[b], res.path))
 
     def _catch_up(self, ctxs, store) -> None:
         """The context keys/values of every row's newly committed positions, in one ragged pass (or one per

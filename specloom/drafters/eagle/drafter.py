@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ...tree import DraftTree
-from ..base import DraftContext, Drafter, TREE_KEYS, VOCAB_KEYS, register
+from ..base import DraftContext, Drafter, TREE_KEYS, VOCAB_KEYS, path_rows, register
 from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_tensor
 
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
@@ -228,7 +228,7 @@ class EagleDrafter(Drafter):
     def on_verified(self, ctxs, results, target_out) -> None:
         f = self._features(target_out)
         for b, (ctx, res) in enumerate(zip(ctxs, results)):
-            ctx.state.feats.append(f[b, torch.tensor(res.path, device=f.device)])
+            ctx.state.feats.append(path_rows(f[b], res.path))
 
     def _take_feats(self, ctxs) -> list[torch.Tensor]:
         feats = []
