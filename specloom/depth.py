@@ -146,9 +146,9 @@ class DepthPolicy:
     cannot pay even alone falls back to plain decoding. A drafter whose idle steps are free (`idle_free`: its state
     catches up lazily when it next drafts, as every built-in kind's does) stays on and is probed at depth 1 every
     8..64 idle steps (the period doubles while probes do not pay; a new row starts later after fruitless probes
-    of earlier rows: `first_probe`), so a row whose text becomes predictable drafts again; a cheap one (n-gram, suffix: no features, no KV) always, any other only where some acceptance (alpha
-    1) would pay on this curve -- where none could, probing is waste and it is turned off. A drafter whose state
-    needs per-step work (`idle_free` False) is turned off for the row after `patience` idle steps (or at
+    of earlier rows: `first_probe`), so a row whose text becomes predictable drafts again; a cheap one (n-gram,
+    suffix: no features, no KV) always, any other only where some acceptance (alpha 1) would pay on this curve
+    -- where none could, probing is waste and it is turned off. A drafter whose state needs per-step work (`idle_free` False) is turned off for the row after `patience` idle steps (or at
     admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a draft that
     costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens pay for
     the wider pass."""
@@ -426,7 +426,8 @@ class DepthPolicy:
         unit of pass time, (tokens + e) / c(n, width), beat those without it by the margin (the width is the
         widest tree of the step). A taken row runs at its tree's depth; returns their indices."""
         idle = [i for i, (r, k, c) in enumerate(zip(rows, ks, caps)) if k == 0 and c > 0 and r.drafting]
-        if stepper.drafter is None or not idle or not getattr(stepper, "offers_free_drafts", hasattr(stepper, "free_drafts")):
+        if stepper.drafter is None or not idle or \
+                not getattr(stepper, "offers_free_drafts", hasattr(stepper, "free_drafts")):
             return set()
         try:
             offers = stepper.free_drafts([rows[i] for i in idle], [caps[i] for i in idle])

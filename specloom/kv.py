@@ -51,6 +51,11 @@ def default_kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "cpu" else dtype
 
 
+def _leading(path: Sequence[int], size: int) -> bool:
+    """Whether `path` (host ints) is 0, 1, ..., n - 1 within `size` pending entries: a commit that moves nothing."""
+    return len(path) <= size and all(i == j for i, j in enumerate(path))
+
+
 class KVCache:
     def __init__(
         self,
@@ -235,6 +240,8 @@ class KVCache:
                 raise ValueError(f"row {r} was committed already")
             if path is None:
                 n = p.sizes[b]
+            elif not torch.is_tensor(path) and _leading(path, p.sizes[b]):
+                n = len(path)  # entries 0..n-1 (a plain step's root, a chain's accepted prefix): already in place
             else:
                 idx = torch.as_tensor(list(path) if not torch.is_tensor(path) else path, dtype=torch.long,
                                       device=self.k.device)

@@ -93,6 +93,8 @@ def test_commit_path_outside_pending_raises():
         kv.commit([0, 3])
     with pytest.raises(ValueError):
         kv.commit([-1])
+    with pytest.raises(ValueError):  # a leading path (nothing to move) longer than what is pending
+        kv.commit([0, 1, 2, 3])
 
 
 def test_truncate_inside_pending_keeps_its_first_entries():

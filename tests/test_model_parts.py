@@ -240,3 +240,22 @@ def test_qwen_coder_0_5b_matches_hf_in_fp32():
     assert (ours - ref).abs().max().item() < 1e-3
     res = Engine(real.model, real.tokenizer).generate(prompt_token_ids=ids, max_tokens=16, ignore_eos=True)
     assert res.token_ids == hf_greedy(real.hf, ids, 16)
+
+
+def test_rope_rows_of_consecutive_positions_are_the_gathered_rows():
+    """Rope.forward takes one row of consecutive CPU positions as a view of its tables outside autograd: the same
+    values and shape as the gather it takes otherwise (scattered positions, several rows, autograd), growing the
+    tables past their end either way."""
+    from specloom.models.layers import Rope
+
+    ref = Rope(16, 10000.0)
+    ref._build(8192, torch.bfloat16, torch.device("cpu"))
+    for grad in (False, True):
+        r = Rope(16, 10000.0)
+        with torch.set_grad_enabled(grad):
+            for pos in ([[7]], [[3, 4, 5, 6]], [[3, 5, 4]], [[0]], [[9, 9]], [[1, 2], [5, 6]], [[6000, 6001, 6002]]):
+                p = torch.tensor(pos)
+                cos, sin = r(p, torch.bfloat16)
+                assert torch.equal(cos, ref.cos_table[p].unsqueeze(2)) and torch.equal(sin, ref.sin_table[p].unsqueeze(2))
+                assert cos.shape == (len(pos), len(pos[0]), 1, 16) and cos.is_contiguous()
+        assert r.cos_table.shape[0] >= 6003
