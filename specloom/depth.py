@@ -145,10 +145,9 @@ class DepthPolicy:
     cost curve with the measured pass, update each row's acceptance and the drafting cost. In "load_aware" mode a
     row whose drafter cannot pay even alone falls back to plain decoding. A drafter whose idle steps are free
     (`idle_free`: its state catches up lazily when it next drafts, as every built-in kind's does) stays on and is
-    probed at depth 1 every 8..64 idle steps (the period doubles while probes do not pay; a new row starts later
-    after fruitless probes of earlier rows: `first_probe`), so a row whose text becomes predictable drafts again;
-    a cheap one (n-gram, suffix: no features, no KV) always, any other only where some acceptance (alpha 1) would
-    pay on this curve -- where none could, probing is waste and it is turned off. A drafter whose state needs
+    probed at depth 1 every 8..64 idle steps (the period doubles while probes do not pay), so a row whose text
+    becomes predictable drafts again; a cheap one (n-gram, suffix: no features, no KV) always, any other only
+    where some acceptance (alpha 1) would pay on this curve -- where none could, probing is waste and it is turned off. A drafter whose state needs
     per-step work (`idle_free` False) is turned off for the row after `patience` idle steps (or at admission,
     `admit`, when its prior already says it cannot pay). Rows left idle may still verify a draft that costs no
     drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens pay for the wider
@@ -171,12 +170,6 @@ class DepthPolicy:
         self.prior_alpha = prior_alpha
         self.global_alpha = Acceptance(prior=prior_alpha, weight=2.0, decay=0.98)
         self.explore_base, self.explore_max, self.patience = 8, 64, 8
-        # probes since some row last drafted at a step of its own (not a probe): each `probe_doubling` of them
-        # doubles the idle steps a new row waits before its first probe (up to explore_max), so requests after
-        # requests whose probes found nothing probe less -- a probe costs a drafter catch-up over the idle
-        # positions and a wider pass (EAGLE-3 / DSpark / MTP on a host where they cannot pay: ~0.8 of a step
-        # each, ~2 % of plain decoding at 4 probes per 128 tokens); one row that drafts again resets it
-        self.probe_streak, self.probe_doubling = 0, 4
         # a row's first `trial` drafted steps judge it at no less than the drafter's prior -- or than what its
         # own drafts still allow, if lower (`alpha`): two unlucky first steps (alpha 0.5 -> 0.2) would otherwise
         # stop a drafter that pays for the whole request, and a stopped row never drafts again to correct it
@@ -212,17 +205,7 @@ class DepthPolicy:
                    idle_free=bool(getattr(drafter, "idle_free", cheap)))
 
     def new_acceptance(self) -> Acceptance:
-        return Acceptance(prior=self.global_alpha.alpha, weight=2.0, period=self.first_probe())
-
-    def first_probe(self) -> int:
-        """Idle steps before a new row's first probe: explore_base, doubled for every `probe_doubling` probes
-        since a row last drafted on its own (`probe_streak`), at most explore_max."""
-        period = self.explore_base
-        for _ in range(self.probe_streak // self.probe_doubling):
-            if period * 2 > self.explore_max:
-                break
-            period *= 2
-        return period
+        return Acceptance(prior=self.global_alpha.alpha, weight=2.0, period=self.explore_base)
 
     def admit(self, row, drafter) -> None:
         """Give a new row its acceptance counters; in load-aware mode turn a drafter that would not be probed
@@ -368,8 +351,6 @@ class DepthPolicy:
                     ks[i] = 1  # drafter first catches up over the idle positions: one pass over them)
                     probed.add(i)
         free = self._free_drafts(stepper, rows, ks, caps) if self.mode == "load_aware" else set()
-        if any(k > 0 and i not in probed and i not in free for i, k in enumerate(ks)):
-            self.probe_streak = 0  # some row drafts on its own: probing has found (or needs) no more
         full = self.max_k
         shrink = self.mode == "load_aware" and self.full_nodes  # not for the budget's own cut
         nodes = [max(k, -(-self.full_nodes * k // full)) if shrink and 0 < k < full and i not in free else None
@@ -419,7 +400,6 @@ class DepthPolicy:
             if i in plan.probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
-                self.probe_streak += 1
 
     def _free_drafts(self, stepper, rows: list, ks: list[int], caps: list[int]) -> set[int]:
         """Rows left idle this step (depth 0, drafting, a cap) whose free draft (`Drafter.free_drafts`: no

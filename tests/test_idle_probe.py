@@ -126,28 +126,6 @@ def test_lazy_drafter_is_probed_and_drafts_again_when_its_text_turns_predictable
 MID = {1: 1.0, 2: 1.25, 3: 1.5, 5: 2.0, 9: 3.0, 17: 5.0}  # verification neither free nor linear
 
 
-def test_requests_after_fruitless_probes_probe_later_and_a_drafting_row_resets_it():
-    """Probes cost a catch-up and a wider pass: after `probe_doubling` probes in a row found nothing (across
-    requests), a new request waits twice as long before its first probe (doubling again per as many, at most
-    explore_max); a request that drafts again on its own brings the next one back to explore_base."""
-    lazy = _Lazy(True)
-    pol = DepthPolicy.for_drafter("auto", lazy, curve(MID), prior_tau=1.2)  # prior alpha too low to pay
-    assert pol.probe_streak == 0 and pol.first_probe() == pol.explore_base == 8
-    firsts = []
-    for _ in range(6):  # requests whose probes are never accepted
-        ks, _ = _run(pol, lazy, lambda i: 0, 64)
-        firsts.append(ks.index(1))
-    assert firsts[0] == 7 and firsts == sorted(firsts) and firsts[-1] > firsts[0], firsts
-    assert pol.first_probe() > pol.explore_base and pol.first_probe() <= pol.explore_max
-    streak = pol.probe_streak
-    assert streak >= 2 * pol.probe_doubling, streak
-    ks, _ = _run(pol, lazy, lambda i: 2, 120)  # text that turns predictable: the probe is accepted, it drafts on
-    assert ks[-10:] == [2] * 10 and pol.probe_streak == 0, ks
-    ks, _ = _run(pol, lazy, lambda i: 0, 40)  # (acceptance seen of late is high: it drafts first, a trial)
-    z = ks.index(0)
-    assert ks[z:z + 7] == [0] * 7 and ks[z + 7] == 1, ks  # back to the first probe after explore_base idle steps
-
-
 @pytest.mark.parametrize("lazy", [False, True])
 def test_trial_ends_early_when_the_evidence_rules_the_drafter_out_but_not_after_an_unlucky_start(lazy):
     """A drafter whose manifest promises tau 2.4 (prior alpha 0.78) on a host where verification is not free:
