@@ -146,12 +146,12 @@ class DepthPolicy:
     row whose drafter cannot pay even alone falls back to plain decoding. A drafter whose idle steps are free
     (`idle_free`: its state catches up lazily when it next drafts, as every built-in kind's does) stays on and is
     probed at depth 1 every 8..64 idle steps (the period doubles while probes do not pay), so a row whose text
-    becomes predictable drafts again; a cheap one (n-gram, suffix: no features, no KV) always, any other only
-    where some acceptance (alpha 1) would pay on this curve -- where none could, probing is waste and it is turned off. A drafter whose state needs
-    per-step work (`idle_free` False) is turned off for the row after `patience` idle steps (or at admission,
-    `admit`, when its prior already says it cannot pay). Rows left idle may still verify a draft that costs no
-    drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens pay for the wider
-    pass."""
+    becomes predictable drafts again; a cheap one (n-gram, suffix: no features, no KV) always, any other only where
+    some acceptance (alpha 1) would pay on this curve -- where none could, probing is waste and it is turned off. A
+    drafter whose state needs per-step work (`idle_free` False) is turned off for the row after `patience` idle
+    steps (or at admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a
+    draft that costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens
+    pay for the wider pass."""
 
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
                  nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,

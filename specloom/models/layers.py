@@ -86,27 +86,26 @@ class Rope(nn.Module):
         sin = freqs.sin()
         self.sin_table = torch.cat([-sin, sin], dim=-1).to(dtype)  # sign of rotate_half folded in
 
+    def _cover(self, need: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Tables of at least `need` positions in `dtype` on `device` (built anew, never shrinking, otherwise)."""
+        table = self.cos_table
+        if table is None or need > table.shape[0] or table.dtype != dtype or table.device != device:
+            self._build(max(need, 4096, 0 if table is None else table.shape[0]), dtype, device)
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (B, T) -> cos, signed sin (B, T, 1, d) in `dtype` (broadcast over heads of (B, T, H, d)).
         One row of consecutive positions on the CPU outside autograd (a decode step, a chain, a prefill chunk)
-        takes the tables' rows as a view: the same values, without two gathers (tens of us of a 6 ms SmolLM2 step:
-        its caches are cold after the weights' pass)."""
-        # (outside autograd only: a view of a table built in inference mode must never be saved for backward)
-        if positions.device.type == "cpu" and positions.shape[0] == 1 and positions.shape[1] <= 4096 \
-                and not torch.is_grad_enabled():
+        takes the tables' rows as a view: the same values, without two gathers (tens of us of a 6 ms SmolLM2
+        step: its caches are cold after the weights' pass). Outside autograd only: a view of a table built in
+        inference mode must never be saved for backward."""
+        B, T = positions.shape
+        if positions.device.type == "cpu" and B == 1 and 0 < T <= 4096 and not torch.is_grad_enabled():
             ps = positions[0].tolist()
-            p0, T = ps[0], len(ps)
-            if T and p0 >= 0 and ps[-1] == p0 + T - 1 and all(b == a + 1 for a, b in zip(ps, ps[1:])):
-                table = self.cos_table
-                if table is None or p0 + T > table.shape[0] or table.dtype != dtype or table.device != positions.device:
-                    size = max(p0 + T, 4096, 0 if table is None else table.shape[0])
-                    self._build(size, dtype, positions.device)
+            p0 = ps[0]
+            if p0 >= 0 and all(b == a + 1 for a, b in zip(ps, ps[1:])):
+                self._cover(p0 + T, dtype, positions.device)
                 return self.cos_table[p0:p0 + T].view(1, T, 1, -1), self.sin_table[p0:p0 + T].view(1, T, 1, -1)
-        need = int(positions.max()) + 1
-        table = self.cos_table
-        if table is None or need > table.shape[0] or table.dtype != dtype or table.device != positions.device:
-            size = max(need, 4096, 0 if table is None else table.shape[0])
-            self._build(size, dtype, positions.device)
+        self._cover(int(positions.max()) + 1, dtype, positions.device)
         return self.cos_table[positions].unsqueeze(2), self.sin_table[positions].unsqueeze(2)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
