@@ -5,6 +5,7 @@ failure is a 400 (invalid UTF-8, huge integers past Python's int-conversion limi
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from .http_errors import APIError
@@ -21,14 +22,15 @@ async def read_body(request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     """The raw body, refused with 413 once it passes `max_bytes`: by Content-Length before anything is read, or --
     a chunked upload has none -- as soon as the chunks read so far pass it (at most `max_bytes` plus one chunk is
     ever held). The 413 closes the connection (`closes_connection`), so the rest of an oversized upload is never
-    read. A client that hangs up mid-body is a 499, not a server error."""
+    read. A client that hangs up mid-body is a 499, not a server error. A refused or abandoned upload past
+    `LARGE_BODY_BYTES` hands its pieces' heap pages back (`release_memory`) as it leaves."""
     from starlette.requests import ClientDisconnect
 
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"the request body is {int(declared)} bytes, more than the limit of {max_bytes}",
                        None, "request_too_large")
-    chunks, size = [], 0
+    chunks, size, whole = [], 0, False
     try:
         async for chunk in request.stream():
             size += len(chunk)
@@ -36,9 +38,14 @@ async def read_body(request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
                 raise APIError(413, f"the request body is more than the limit of {max_bytes} bytes", None,
                                "request_too_large")
             chunks.append(chunk)
+        whole = True
     except ClientDisconnect:
         raise APIError(499, "the client closed the connection before the request body ended", None,
                        "client_closed") from None
+    finally:
+        if not whole and size >= LARGE_BODY_BYTES:  # a refused or abandoned large upload: its pieces' pages back
+            chunks.clear()
+            await asyncio.to_thread(release_memory)
     return b"".join(chunks)
 
 
