@@ -151,7 +151,8 @@ class DepthPolicy:
     drafter whose state needs per-step work (`idle_free` False) is turned off for the row after `patience` idle
     steps (or at admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a
     draft that costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens
-    pay for the wider pass."""
+    pay for the wider pass. Evidence only drafted steps renew (drafting's cost, `optimism`) is forgotten after
+    `forget_after` steps without one, so a busy stretch cannot turn drafting off for good (`forget`)."""
 
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
                  nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,
@@ -181,6 +182,10 @@ class DepthPolicy:
         # of expected and emitted tokens and of predicted and measured step cost, drafted steps against plain ones
         self._drafted = [0.0, 0.0, 0.0, 0.0]  # expected tokens, emitted tokens, predicted cost, measured cost
         self._plain = [0.0, 0.0]  # predicted cost, measured cost
+        # evidence against drafting (its cost, the predictions' shortfall) is renewed only by drafted steps, which
+        # it may itself prevent: after this many steps without a measured drafted step it is forgotten (`forget`)
+        self.forget_after = 512
+        self._quiet = 0  # steps since the last drafted step that measured drafting (no catch-up in it)
         self.last_k = 0
 
     @classmethod
@@ -400,6 +405,24 @@ class DepthPolicy:
             if i in plan.probed and tree.max_depth > 0:  # a probe that drew a draft (n-gram: a match) counts;
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
+        if self.mode == "load_aware":
+            measured = not plan.backlog and any(k > 0 and i not in free and i not in rep.forced
+                                                for i, k in enumerate(ks))
+            self._quiet = 0 if measured else self._quiet + 1
+            if self._quiet >= self.forget_after:
+                self.forget()
+
+    def forget(self) -> None:
+        """Start over on drafting's cost and on the policy's own predictions (`optimism`), as a new engine would.
+        Both are renewed only by drafted steps, so evidence that stops drafting would otherwise stand for the
+        engine's life: a stretch measured while other work loaded the host (EAGLE-3 drafting at 0.45 of a decode
+        step per depth, its predictions 1.5x too optimistic) turned the README default to plain decoding for
+        every later request (tau 1.00 on 25 prompts in a row). Relearning costs the next few drafted steps."""
+        self._draft_obs.clear()
+        self.draft_cost = 0.0
+        self._drafted = [0.0, 0.0, 0.0, 0.0]
+        self._plain = [0.0, 0.0]
+        self._quiet = 0
 
     def _free_drafts(self, stepper, rows: list, ks: list[int], caps: list[int]) -> set[int]:
         """Rows left idle this step (depth 0, drafting, a cap) whose free draft (`Drafter.free_drafts`: no

@@ -449,6 +449,44 @@ def test_a_drafters_catch_up_is_not_priced_as_drafting():
     assert pol.draft_cost == before
 
 
+def test_evidence_that_stops_drafting_is_forgotten_after_a_quiet_stretch():
+    """Drafting's cost and the optimism of the policy's predictions are renewed only by drafted steps. A stretch
+    measured while other work loaded the host (drafting at 3 decode steps per depth; predictions that ran 1.5x
+    high) vetoes every depth even at acceptance 1, so no later request drafted, not even a probe, and the evidence
+    stood for the engine's life (seen: the README default at tau 1.00 for 25 requests in a row). After
+    `forget_after` steps without a measured drafted step the policy starts over; once the host is quiet the next
+    request drafts throughout at the cost it now measures. Not earlier: the quiet stretch is counted in full."""
+    from specloom.step import StepReport
+    from specloom.tree import DraftTree
+
+    pol = DepthPolicy("auto", 2, curve(CHEAP), prior_alpha=0.7, idle_free=True)  # EAGLE-like: idle steps free
+    pol.forget_after = 64
+    per_depth = {"busy": 3.0}
+
+    def report(k, i):
+        tree = DraftTree(list(range(1, k + 2)), list(range(-1, k)))
+        return StepReport(1, len(tree), 0.02 * pol.cost(1, len(tree)), 0.02 * per_depth["busy"] * k, [tree], [k])
+
+    ks, row = _run_policy(pol, report, 30, 2)  # the busy stretch: measured, then no depth pays
+    assert ks[0] > 0 and not row.drafting and pol.draft_cost == pytest.approx(3.0), ks
+    assert not pol.pays_alone(1.0, 2)
+    pol._drafted = [48.0, 32.0, 32.0, 32.0]  # the predictions ran high too (1.5x)
+    assert pol.optimism() == pytest.approx(1.5)
+    per_depth["busy"] = 0.1  # the host is quiet again
+    quiet, runs = 0, []
+    while len(runs) < 40:
+        ks, row = _run_policy(pol, report, 30, 2)
+        runs.append(ks)
+        if any(ks):
+            break
+        quiet += len(ks)
+    assert any(runs[-1]), "no request drafted again after the busy stretch"
+    assert pol.forget_after - 9 <= quiet <= pol.forget_after, quiet  # forgotten after the quiet stretch, not before
+    ks, row = _run_policy(pol, report, 30, 2)  # the next request: drafts every step at the new cost
+    assert row.drafting and all(k > 0 for k in ks) and pol.draft_cost == pytest.approx(0.1), ks
+    assert pol.optimism() == 1.0
+
+
 def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     """Where no depth pays (verification ~n steps), an n-gram-like drafter is probed at depth 1 after 8 idle
     steps, again at every step while the probe finds no draft (that cost nothing), then after 16; a drafter that
