@@ -17,6 +17,17 @@ from specloom.config import ModelConfig
 from specloom.loading import load_target, resolve
 from specloom.loading.weights import build_model, convert_hf_state_dict
 
+
+@pytest.fixture(autouse=True)
+def _quiet_host(monkeypatch):
+    """Every test judges the host quiet while it times something (host/contention.py): whether another process
+    shares the cores is this machine's state, not the code's (a suite run beside other work would otherwise
+    cache nothing). The tests of that judgement set `BUSY_SHARE` back."""
+    from specloom.host import contention
+
+    monkeypatch.setattr(contention, "BUSY_SHARE", 2.0)  # a share of all CPUs never passes 1
+
+
 VOCAB = 256
 PAD, EOS, BOS, UNK = 0, 1, 2, 3
 SEED = 1234

@@ -783,3 +783,66 @@ def test_a_curve_measured_on_a_busy_host_is_measured_again_and_never_cached(tiny
     results[:] = [busy, good]
     assert cost_mod.batch_cost_cached(model, 1) is good
     assert len(list((tmp_path / "specloom" / "verify_cost").glob("batch2-*.json"))) == 1
+
+
+def test_other_work_is_told_from_our_own(monkeypatch):
+    """Contention.others: all CPUs' busy seconds since the start, less this process's own, per CPU-second of the
+    window. One other process on one of two cores: 0.5; our own threads busy on both: 0."""
+    from specloom.host import contention
+
+    clock = {"wall": 100.0, "busy": 1000.0, "own": 10.0}
+    monkeypatch.setattr(contention.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(contention, "_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(contention, "_own_seconds", lambda: clock["own"])
+    monkeypatch.setattr(contention.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(contention, "BUSY_SHARE", 0.2)  # (conftest judges every host quiet)
+    watch = contention.Contention()
+    clock.update(wall=104.0, busy=1008.0, own=14.0)  # 4 s: 8 CPU-seconds busy, 4 of them ours
+    assert watch.others() == pytest.approx(0.5)
+    assert watch.busy_host().startswith("other processes used 50%")
+    ours = contention.Contention()
+    clock.update(wall=106.0, busy=1012.0, own=18.0)  # 2 s, both CPUs busy with our own threads only
+    assert ours.others() == pytest.approx(0.0) and ours.busy_host() == ""
+    short = contention.Contention()
+    clock.update(wall=106.1, busy=1012.2)
+    assert short.others() is None  # below /proc/stat's resolution: not judged
+    monkeypatch.setattr(contention, "_busy_seconds", lambda: None)  # no /proc/stat (not Linux)
+    assert contention.Contention().others() is None
+
+
+def test_timings_taken_beside_other_work_are_used_but_not_cached(tiny, tmp_path, monkeypatch):
+    """A verify-cost curve measured while another process used half the CPUs (every pass slowed alike: a flat
+    curve whose shape check cannot see it) is used for this run and not cached; a quiet measurement is. The
+    kernel probe is cached as provisional (not `quiet`) and measured again on the next load."""
+    from specloom import cost as cost_mod
+    from specloom.host.contention import Contention
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    busy = ["other processes used 50% of the CPUs meanwhile"]
+    monkeypatch.setattr(Contention, "busy_host", lambda self: busy[0])
+    model = tiny("llama").model
+    lines = []
+    cost_mod.batch_cost_cached(model, 1, log=lines.append, budget_s=0.5)
+    assert not list((tmp_path / "specloom" / "verify_cost").glob("*.json"))
+    assert any("other processes used 50%" in x and "not cached" in x for x in lines), lines
+    busy[0] = ""
+    cost_mod.batch_cost_cached(model, 1, budget_s=0.5)
+    assert len(list((tmp_path / "specloom" / "verify_cost").glob("*.json"))) == 1
+
+    busy[0] = "other processes used 50% of the CPUs meanwhile"
+    m = _tiny_bf16_target()
+    calls = []
+    real = kernel_probe.probe_kernels
+    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: calls.append(k.get("widths")) or real(*a, **k))
+    lines = []
+    c = kernel_choice(m, "auto", "cpu", log=lines.append)
+    saved = json.loads(next((tmp_path / "specloom" / "host").glob("kernels-*.json")).read_text())
+    assert saved["quiet"] is False and saved["others"] == busy[0]
+    assert any("other processes used 50%" in x and "provisional" in x for x in lines), lines
+    assert any("other processes used 50%" in n for n in c.notes), c.notes
+    busy[0] = ""
+    calls.clear()
+    kernel_choice(m, "auto", "cpu")
+    assert calls == [None]  # measured again, not read
+    saved = json.loads(next((tmp_path / "specloom" / "host").glob("kernels-*.json")).read_text())
+    assert "others" not in saved or saved["quiet"] is True or saved["spread"] > kernel_probe.NOISY

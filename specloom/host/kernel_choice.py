@@ -17,7 +17,9 @@ invariant_attention.py). When no invariant kernel comes that close the fastest r
 bf16 outputs can then part at near-ties (`KernelChoice.invariant` False).
 
 A noisy host: when the repeats of a pass spread by more than `NOISY` (another process competing), more rounds
-run within a budget; a measurement still noisy is used but cached as such and measured again next time. A cached
+run within a budget; a measurement still noisy -- or taken while other processes used more than a fifth of the
+CPUs (host/contention.py: every repeat slowed alike agrees with itself) -- is used but cached as such and measured
+again next time. A cached
 probe is checked against a live decode step: a step now clearly faster than cached means the cache was taken
 under load, and the probe runs again. `fp32` (for a bf16 model) and `int8` change the target's numerics: never
 chosen by default; `--linear-kernel fp32|int8` opts in for every pass.
@@ -39,6 +41,7 @@ from torch import nn
 
 from ..errors import SpecloomError
 from . import host_key
+from .contention import Contention
 from ..models import cpu_packing
 from ..models.native import kernels_version
 
@@ -300,7 +303,8 @@ def choose_kernels(probe: dict, dtype: torch.dtype, device: torch.device | str =
         else:
             notes.append(f"{k} does not win ({t1:.1f} / {tw:.1f} ms) and changes a {dt} model's numerics")
     if not probe.get("quiet", True):
-        notes.append(f"measured on a busy host (repeats spread {probe.get('spread', 0):.0%}): measured again next time")
+        why = probe.get("others") or f"repeats spread {probe.get('spread', 0):.0%}"
+        notes.append(f"measured on a busy host ({why}): measured again next time")
     return KernelChoice(chosen, chosen, reason, dt, probe, notes, bool(inv.get(chosen)))
 
 
@@ -369,7 +373,11 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
         if log:
             log(f"timing decode steps and verification passes with each linear kernel ({', '.join(cands)}) once "
                 "for this host")
+        watch = Contention()
         probe = probe_kernels(model, cands)
+        others = watch.busy_host()  # repeats can agree while another process slows every one of them alike
+        if others:
+            probe.update(quiet=False, others=others)
         probe["host"] = host_key()
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -377,8 +385,9 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
             json.dump(probe, f, indent=1)
         os.replace(tmp, path)
         if log and not probe["quiet"]:
-            log(f"the host was busy while timing (repeats spread {probe['spread']:.0%}): the kernel choice is "
-                "provisional and is measured again on the next load")
+            why = probe.get("others") or f"repeats spread {probe['spread']:.0%}"
+            log(f"the host was busy while timing ({why}): the kernel choice is provisional and is measured again "
+                "on the next load")
     return choose_kernels(probe, dtype, dev, drafting)
 
 
