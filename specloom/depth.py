@@ -41,6 +41,7 @@ from .errors import SpecloomError
 from .step import StepPlan
 
 MODES = ("off", "fixed", "load_aware")
+PROBE_NEVER = 2 ** 31  # a row's probe period when it is not to be probed (`DepthPolicy.admit`)
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
 
 
@@ -152,7 +153,9 @@ class DepthPolicy:
     steps (or at admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a
     draft that costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens
     pay for the wider pass. Evidence only drafted steps renew (drafting's cost, `optimism`) is forgotten after
-    `forget_after` steps without one, so a busy stretch cannot turn drafting off for good (`forget`)."""
+    `forget_after` steps without one, so a busy stretch cannot turn drafting off for good (`forget`). Where the
+    drafter's passes have cost more than they returned (`value`, in plain steps), only every `explore_every`-th
+    new row is probed: a request's first probe catches the drafter up over its whole prompt."""
 
     def __init__(self, mode: str, max_k: int, cost: BatchCost | None = None, prior_alpha: float = 0.5,
                  nodes_per_depth: float = 1.0, full_nodes: int | None = None, cheap: bool = False,
@@ -185,6 +188,10 @@ class DepthPolicy:
         # evidence against drafting (its cost, the predictions' shortfall) is renewed only by drafted steps, which
         # it may itself prevent: after this many steps without a measured drafted step it is forgotten (`forget`)
         self.forget_after = 512
+        # what the drafter's passes returned, in plain steps: tokens emitted less the pass and drafting they cost,
+        # decayed over the steps it ran (probes and catch-ups included, free drafts not); below zero, a new row
+        # is not probed (`admit`), but every `explore_every`-th such row still is, to keep learning
+        self.value, self.explore_every, self._gated = 0.0, 4, 0
         self._quiet = 0  # steps since the last drafted step that measured drafting (no catch-up in it)
         self.last_k = 0
 
@@ -223,6 +230,10 @@ class DepthPolicy:
         if (self.mode == "load_aware" and row.drafting and not self.probes(cap)
                 and not self.pays_alone(alpha, cap)):
             row.stop_drafting()
+        elif self.mode == "load_aware" and not self.cheap and self.value < 0:
+            self._gated += 1
+            if self._gated % self.explore_every:  # drafting has cost more than it returned: no probes this row
+                row.acc.period = PROBE_NEVER
 
     def probes(self, cap: int) -> bool:
         """Whether a row that cannot pay now stays on and is probed (else it is turned off): its drafter's idle
@@ -393,6 +404,10 @@ class DepthPolicy:
                     predicted = measured = 1.0
                 self._account(sum(geometric_tokens(a, k) for a, k in zip(plan.alphas, ks)),
                               sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1)
+            drafted = [i for i, k in enumerate(ks) if k > 0 and i not in free and i not in rep.forced]
+            if drafted and unit and rep.pass_seconds > 0:  # before calibration, in this step's own unit
+                spent = (rep.pass_seconds + rep.draft_seconds) / unit / self.cost(n, 1)
+                self.value = self.value * 0.98 + sum(1 + a for a in rep.accepted) / n - spent
             if self.calibrate:
                 self.cost.observe(n, rep.width, rep.pass_seconds)
         for i, (r, tree, acc) in enumerate(zip(rows, rep.trees, rep.accepted)):
@@ -422,7 +437,7 @@ class DepthPolicy:
         self.draft_cost = 0.0
         self._drafted = [0.0, 0.0, 0.0, 0.0]
         self._plain = [0.0, 0.0]
-        self._quiet = 0
+        self._quiet = 0  # (`value` stays: every `explore_every`-th row is probed, which renews it)
 
     def _free_drafts(self, stepper, rows: list, ks: list[int], caps: list[int]) -> set[int]:
         """Rows left idle this step (depth 0, drafting, a cap) whose free draft (`Drafter.free_drafts`: no

@@ -126,6 +126,66 @@ def test_lazy_drafter_is_probed_and_drafts_again_when_its_text_turns_predictable
 MID = {1: 1.0, 2: 1.25, 3: 1.5, 5: 2.0, 9: 3.0, 17: 5.0}  # verification neither free nor linear
 
 
+def _request(policy, drafter, accepts, steps, probe_cost):
+    """One request through `admit`, then plan / step / observe: a probe (a depth-1 step after idle ones) catches
+    the drafter up and costs `probe_cost` extra decode steps of drafting; a depth-1 step otherwise 0.05.
+    Returns the depths chosen."""
+    class Ctx:
+        k, max_nodes, state, budget = 0, None, None, 0
+
+    class Row:
+        drafting, budget = True, 1000
+
+        def __init__(self):
+            self.ctx = Ctx()
+
+        def cap(self, d):
+            return 2
+
+        def stop_drafting(self):
+            self.drafting = False
+
+    class Stepper:
+        pass
+
+    Stepper.drafter = drafter
+    row, ks = Row(), []
+    policy.admit(row, drafter)
+    for _ in range(steps):
+        if not row.drafting:
+            break
+        plan = policy.plan(Stepper(), [row], [2])
+        k = plan.depths[0]
+        tree = DraftTree(list(range(1, k + 2)), list(range(-1, k)))
+        draft = 0.02 * (probe_cost if plan.probed else 0.05) * k
+        rep = StepReport(1, len(tree), 0.02 * policy.cost(1, len(tree)), draft, [tree], [min(accepts(len(ks)), k)])
+        policy.observe([row], plan, rep)
+        ks.append(k)
+    return ks
+
+
+def test_probes_that_cost_more_than_drafting_returns_stop_for_most_requests():
+    """A probe catches the drafter up over the prompt and the idle positions (EAGLE-3 alone on the EPYC: 1.8 decode
+    steps for 1.5 tokens; 113 probes in 26 requests, 0.82x). When what the drafter's passes returned (tokens less
+    their cost, `DepthPolicy.value`) is below zero, only every `explore_every`-th new request is probed (the
+    others decode plain); a drafter whose probes find text it drafts well keeps probing every request."""
+    lazy = _Lazy(True)
+    pol = DepthPolicy.for_drafter("auto", lazy, curve(MID), prior_tau=1.2)  # prior too low to draft unprobed
+    probed = []
+    for _ in range(12):  # probes cost 1.5 steps of drafting and are never accepted
+        ks = _request(pol, lazy, lambda i: 0, 64, probe_cost=1.5)
+        probed.append(1 in ks)
+    assert pol.value < 0
+    # the first request probes; once its probes have cost more than they returned, one in explore_every (4)
+    assert probed == [True] + ([False] * 3 + [True]) * 2 + [False] * 3, probed
+    good = DepthPolicy.for_drafter("auto", lazy, curve(MID), prior_tau=1.2)
+    probed = []
+    for _ in range(12):  # the same probes, accepted: the rows draft on (two tokens a step)
+        ks = _request(good, lazy, lambda i: 2, 64, probe_cost=1.5)
+        probed.append(1 in ks or 2 in ks)
+    assert good.value > 0 and all(probed), (good.value, probed)
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_trial_ends_early_when_the_evidence_rules_the_drafter_out_but_not_after_an_unlucky_start(lazy):
     """A drafter whose manifest promises tau 2.4 (prior alpha 0.78) on a host where verification is not free:
