@@ -387,6 +387,7 @@ class DepthPolicy:
         pass, check the policy's own predictions (`optimism`), update each row's acceptance and the drafting
         cost."""
         n, ks, free = len(rows), plan.depths, plan.free
+        drafted = [i for i, k in enumerate(ks) if k > 0 and i not in free and i not in rep.forced]  # drafter ran
         unit = self.cost.base if self.cost is not None else None  # seconds of one 1x1 pass (the curve's unit; a
         # curve refreshed in idle time, cost_refresh.py, brings its own)
         if self.cost is not None and self.mode == "load_aware":
@@ -397,14 +398,12 @@ class DepthPolicy:
                 unit = rep.pass_seconds / self.cost(n, rep.width)
             if unit and rep.pass_seconds > 0 and not plan.backlog:  # before calibration: what the curve predicted
                 # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
-                drafted_rows = [k for i, k in enumerate(ks) if k > 0 and i not in free and i not in rep.forced]
-                predicted = self.cost(n, rep.width) + sum(drafted_rows) * self.draft_cost
+                predicted = self.cost(n, rep.width) + sum(ks[i] for i in drafted) * self.draft_cost
                 measured = (rep.pass_seconds + rep.draft_seconds) / unit
                 if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
                     predicted = measured = 1.0
                 self._account(sum(geometric_tokens(a, k) for a, k in zip(plan.alphas, ks)),
                               sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1)
-            drafted = [i for i, k in enumerate(ks) if k > 0 and i not in free and i not in rep.forced]
             if drafted and unit and rep.pass_seconds > 0:  # before calibration, in this step's own unit
                 spent = (rep.pass_seconds + rep.draft_seconds) / unit / self.cost(n, 1)
                 self.value = self.value * 0.98 + sum(1 + a for a in rep.accepted) / n - spent
@@ -421,9 +420,7 @@ class DepthPolicy:
                 r.acc.idle = 0  # one without keeps probing at the next step (it cost no verification)
                 r.acc.period = min(2 * r.acc.period, self.explore_max)
         if self.mode == "load_aware":
-            measured = not plan.backlog and any(k > 0 and i not in free and i not in rep.forced
-                                                for i, k in enumerate(ks))
-            self._quiet = 0 if measured else self._quiet + 1
+            self._quiet = 0 if drafted and not plan.backlog else self._quiet + 1
             if self._quiet >= self.forget_after:
                 self.forget()
 
