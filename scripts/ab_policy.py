@@ -5,20 +5,16 @@ tokens, chat, `auto`, 2 threads, `ROUNDS` rounds (default 2). Two copies of the 
 
     python scripts/ab_policy.py '{"method": "eagle3"}' base: 'no-probes:explore_base=1e9,explore_max=1e9'
 """
-import json
 import os
 import sys
 
 import torch
 
 import specloom.engine as engine
+import specbench_prompts
 
 torch.set_num_threads(2)
-bench = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval", "spec_bench.jsonl")
-per: dict = {}
-for r in map(json.loads, open(bench)):
-    per.setdefault(r["category"], []).append(r)
-prompts = [r["turns"][0] for rows in per.values() for r in rows[:2]]
+prompts = specbench_prompts.prompts(2)
 engines = [("plain", engine.load("smollm2-135m", None, progress=False))]
 for spec in sys.argv[2:]:
     name, _, attrs = spec.partition(":")

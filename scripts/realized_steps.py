@@ -6,8 +6,6 @@ steps of the same run -- so a kind's realized speed-up is tokens per step / (its
 
     python scripts/realized_steps.py '{"method": "eagle3", "suffix_decoding": true}'
 """
-import json
-import os
 import statistics
 import sys
 import time
@@ -15,14 +13,11 @@ import time
 import torch
 
 import specloom.engine as engine
+import specbench_prompts
 from specloom import depth
 
 torch.set_num_threads(2)
-bench = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval", "spec_bench.jsonl")
-per: dict = {}
-for r in map(json.loads, open(bench)):
-    per.setdefault(r["category"], []).append(r)
-prompts = [r["turns"][0] for rows in per.values() for r in rows[:2]]
+prompts = specbench_prompts.prompts(2)
 eng = engine.load("smollm2-135m", sys.argv[1], speculation="auto", progress=False)
 records, clock = [], {}
 plan0, observe0 = depth.DepthPolicy.plan, depth.DepthPolicy.observe

@@ -63,22 +63,28 @@ class _Lazy(Drafter):
         return {"weights": 0, "kv_per_1k_tokens": 1000}
 
 
+class _Ctx:
+    k, max_nodes, state, budget = 0, None, None, 0
+
+
+class _Row:
+    """A pool row as the policy sees it: drafting, a context, a cap of 2."""
+    drafting, budget = True, 1000
+
+    def __init__(self):
+        self.ctx = _Ctx()
+
+    def cap(self, drafter):
+        return 2
+
+    def stop_drafting(self):
+        self.drafting, self.ctx.state = False, None
+
+
 def _run(policy, drafter, accepts, steps):
     """`steps` steps of one fake row through the policy (plan, step, observe); the drafter accepts
     min(accepts(i), k)."""
-    class Ctx:
-        k, max_nodes, state, budget = 0, None, None, 0
-
-    class Row:
-        drafting, budget = True, 1000
-
-        def __init__(self):
-            self.ctx = Ctx()
-
-        def stop_drafting(self):
-            self.drafting, self.ctx.state = False, None
-
-    row = Row()
+    row = _Row()
     row.acc = policy.new_acceptance()
     ks = []
 
@@ -130,26 +136,11 @@ def _request(policy, drafter, accepts, steps, probe_cost):
     """One request through `admit`, then plan / step / observe: a probe (a depth-1 step after idle ones) catches
     the drafter up and costs `probe_cost` extra decode steps of drafting; a depth-1 step otherwise 0.05.
     Returns the depths chosen."""
-    class Ctx:
-        k, max_nodes, state, budget = 0, None, None, 0
-
-    class Row:
-        drafting, budget = True, 1000
-
-        def __init__(self):
-            self.ctx = Ctx()
-
-        def cap(self, d):
-            return 2
-
-        def stop_drafting(self):
-            self.drafting = False
-
     class Stepper:
         pass
 
     Stepper.drafter = drafter
-    row, ks = Row(), []
+    row, ks = _Row(), []
     policy.admit(row, drafter)
     for _ in range(steps):
         if not row.drafting:
