@@ -588,6 +588,51 @@ def test_cached_curve_whose_shape_this_host_no_longer_shows_is_measured_again(ti
     assert lines == [f"verify cost curve read from {path}"]
 
 
+def test_shape_check_judges_what_rows_cost_beyond_one_token():
+    """A cached curve is re-measured when what a pass costs beyond one decode step moved: the curve this host
+    cached beside a data generator (a 3-token pass at 1.15 decode steps, 1.31 quiet) was within the old 1.3 factor
+    on the whole pass; noise between quiet looks (1.29-1.33) and near-free rows (a GPU's) are not judged."""
+    from specloom.cost import shape_moved
+
+    assert shape_moved(1.15, 1.31) and shape_moved(1.31, 1.15)
+    assert shape_moved(8.0, 1.02) and shape_moved(1.5, 2.3)
+    assert not shape_moved(1.29, 1.33) and not shape_moved(1.66, 1.76)
+    assert not shape_moved(1.01, 1.05)  # 4x the excess, but 0.04 of a decode step: noise
+
+
+def test_a_flattened_cached_curve_is_measured_again_unless_the_check_ran_beside_other_work(tiny, tmp_path,
+                                                                                         monkeypatch):
+    import json
+
+    from specloom import cost as cost_mod
+    from specloom.host import contention
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tiny("llama").model
+    cost_mod.batch_cost_cached(model, 1)
+    path = next((tmp_path / "specloom" / "verify_cost").glob("batch2-*-r1-h*.json"))
+    flat = {f"1x{t}": 1e-3 * (1.0 + 0.075 * (t - 1)) for t in TOKENS}  # 3 tokens: 1.15 decode steps
+    quiet = cost_mod.BatchCost({(1, t): 1e-3 * (1.0 + 0.155 * (t - 1)) for t in TOKENS})  # 1.31
+    probe = lambda m, ts, repeats: {t: quiet.base * quiet(1, t) for t in ts}  # noqa: E731
+    monkeypatch.setattr(cost_mod, "time_passes", probe)
+    # the check ran while other processes used 60 % of the CPUs: the cached curve (measured quiet) is kept
+    path.write_text(json.dumps(flat))
+    monkeypatch.setattr(contention, "BUSY_SHARE", 0.2)
+    monkeypatch.setattr(contention.Contention, "others", lambda self: 0.6)
+    monkeypatch.setattr(cost_mod, "measure_batch_cost", lambda *a, **k: pytest.fail("measured beside other work"))
+    lines = []
+    kept = cost_mod.batch_cost_cached(model, 1, log=lines.append)
+    assert kept(1, 3) == pytest.approx(1.15) and "kept" in lines[-1], lines
+    # quiet: the flattened curve is measured again and replaced
+    monkeypatch.setattr(contention.Contention, "others", lambda self: 0.0)
+    monkeypatch.setattr(cost_mod, "measure_batch_cost", lambda m, rows, budget_s=None: quiet)
+    lines.clear()
+    fresh = cost_mod.batch_cost_cached(model, 1, log=lines.append)
+    assert "disagrees with this host now" in lines[0] and "3-token pass: 1.15" in lines[0], lines
+    assert fresh(1, 3) == pytest.approx(1.31)
+    assert json.loads(path.read_text())["1x3"] == pytest.approx(1.31e-3)
+
+
 def test_prior_from_the_drafters_measured_tau():
     for k in (1, 4, 6):
         for a in (0.1, 0.4, 0.8):
