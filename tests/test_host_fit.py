@@ -169,6 +169,13 @@ def test_forced_kernels_and_errors():
     assert c.tag == "native" and c.probe is None  # not a CPU: nothing to probe
 
 
+def _count_probes(monkeypatch) -> list:
+    """The widths of every kernel probe run from now on (None: a full probe)."""
+    calls, real = [], kernel_probe.probe_kernels
+    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: calls.append(k.get("widths")) or real(*a, **k))
+    return calls
+
+
 def _tiny_bf16_target():
     from specloom.config import ModelConfig
     from specloom.models.llama import LlamaForCausalLM
@@ -183,12 +190,38 @@ def _tiny_bf16_target():
     return m.bfloat16().eval()
 
 
+def test_a_provisional_kernel_choice_is_timed_again_only_on_a_quiet_host(tmp_path, monkeypatch):
+    """A probe timed beside other work is cached as provisional. A load on a host still busy uses it (timing again
+    would give another provisional choice and cost every load ~25 s on SmolLM2); a load on a quiet host times it
+    again."""
+    from specloom.host import contention
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernel_probe, "BUSY_LOOK_S", 0.0)
+    monkeypatch.setattr(contention, "MIN_WALL_S", 0.0)
+    monkeypatch.setattr(contention, "BUSY_SHARE", 0.2)
+    share = {"now": 0.6}
+    monkeypatch.setattr(contention.Contention, "others", lambda self: share["now"])
+    m = _tiny_bf16_target()
+    calls = _count_probes(monkeypatch)
+    lines = []
+    first = kernel_choice(m, "auto", "cpu", log=lines.append)
+    (path,) = (tmp_path / "specloom" / "host").glob("kernels-*.json")
+    assert json.loads(path.read_text())["quiet"] is False and "provisional" in lines[-1], lines
+    calls.clear()
+    lines.clear()
+    again = kernel_choice(m, "auto", "cpu", log=lines.append)  # still busy: the provisional choice, no timing
+    assert calls == [] and again.single == first.single and "still busy" in lines[-1], lines
+    share["now"] = 0.0  # quiet: timed again, and cached as this host's own
+    kernel_choice(m, "auto", "cpu")
+    assert calls == [None] and json.loads(path.read_text())["quiet"] in (True, False)
+    assert "others" not in json.loads(path.read_text())
+
+
 def test_probe_times_whole_passes_is_cached_and_heals(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     m = _tiny_bf16_target()
-    calls = []
-    real = kernel_probe.probe_kernels
-    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: calls.append(k.get("widths")) or real(*a, **k))
+    calls = _count_probes(monkeypatch)
     c = kernel_choice(m, "auto", "cpu")
     files = list((tmp_path / "specloom" / "host").glob("kernels-*.json"))
     assert len(files) == 1 and host_key() in files[0].name
@@ -876,9 +909,7 @@ def test_timings_taken_beside_other_work_are_used_but_not_cached(tiny, tmp_path,
 
     busy[0] = "other processes used 50% of the CPUs meanwhile"
     m = _tiny_bf16_target()
-    calls = []
-    real = kernel_probe.probe_kernels
-    monkeypatch.setattr(kernel_probe, "probe_kernels", lambda *a, **k: calls.append(k.get("widths")) or real(*a, **k))
+    calls = _count_probes(monkeypatch)
     lines = []
     c = kernel_choice(m, "auto", "cpu", log=lines.append)
     saved = json.loads(next((tmp_path / "specloom" / "host").glob("kernels-*.json")).read_text())

@@ -50,6 +50,7 @@ WIDTHS = (1, 4, 9, 16)  # tokens per timed pass: a decode step and verification 
 INVARIANT_SLACK = 1.03  # a batch-invariant kernel may be this much slower than the fastest and still be chosen
 NOISY = 0.15  # a pass whose median repeat is this much above its fastest: the host was busy
 PROBE_BUDGET_S = 20.0  # the most a probe may spend repeating rounds on a noisy host
+BUSY_LOOK_S = 0.55  # how long a load looks at the host before timing a provisional choice again (/proc/stat)
 LIVE_CHECK = 0.80  # a live decode step faster than this share of the cached one: the cache was taken under load
 PROBE_VERSION = 4  # cached probes of another version are measured again (2: the one-row micro-probe; 3: the
 # invariance check that sampled three rows and skipped linears held as GGUF blocks; 4: verification passes timed
@@ -361,7 +362,18 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
         return KernelChoice("native", "native", "the only exact kernel", dt, invariant=inv)
     path = _cache_path(model, dtype)
     probe = None if refresh else _read_probe(path, cands, log)
-    if probe is not None:
+    if probe is not None and not probe.get("quiet", False):
+        # a provisional choice (timed beside other work) is timed again once the host is quiet; while other work
+        # still runs, a new probe would be provisional too: it would cost every load ~25 s for nothing
+        watch = Contention()
+        time.sleep(BUSY_LOOK_S)
+        others = watch.busy_host()
+        if not others:
+            probe = None
+        elif log:
+            log(f"the host is still busy ({others}): using the provisional kernel choice of {path}; it is timed "
+                "again on a load while the host is quiet")
+    if probe is not None and probe.get("quiet", False):
         chosen = choose_kernels(probe, dtype, dev, drafting).single
         now = probe_kernels(model, [chosen], widths=(1,), rounds=3, budget_s=0.0, check=False)["ms"][chosen]["1"]
         if now < LIVE_CHECK * probe["ms"][chosen]["1"]:
@@ -392,8 +404,8 @@ def kernel_choice(model: nn.Module, kernel: str = "auto", device: torch.device |
 
 
 def _read_probe(path: str, cands: list[str], log=None) -> dict | None:
-    """A cached probe that is whole, current and was taken on a quiet host; None otherwise (a corrupt file is
-    named and measured again)."""
+    """A cached probe that is whole and current (taken on a quiet host or not: `quiet`); None otherwise (a corrupt
+    file is named and measured again)."""
     if not os.path.isfile(path):
         return None
     try:
@@ -405,4 +417,4 @@ def _read_probe(path: str, cands: list[str], log=None) -> dict | None:
         if log:
             log(f"kernel probe cache {path} is unreadable: measuring again")
         return None
-    return probe if ok and probe.get("quiet", False) else None
+    return probe if ok else None

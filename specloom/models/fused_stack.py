@@ -174,6 +174,91 @@ class DrafterLayer(_Stack):
         self._build([(norm2, norm2, qkv, o, gate_up, down, scale, inter)], dtype, heads, kv_heads, head_dim, hidden)
 
 
+class _Eagle(ctypes.Structure):
+    _fields_ = [("fc", _Lin), ("head", _Lin), ("norm_e", P), ("norm_u", P), ("norm_o", P), ("vrows", P),
+                ("emb_type", I), ("emb_codes", P), ("emb_scales", P), ("emb_dense", P), ("F", L)]
+
+
+_eagle_state: dict = {}
+
+
+def _eagle_kernel():
+    if os.environ.get("SPECLOOM_FUSED_STACK", "1") == "0":
+        return None
+    return load_kernel(_eagle_state, "decoder_stack.c", "eagle3_pass", [P] * 9, lambda fn: None)
+
+
+class EagleStep:
+    """An EAGLE-3 drafting pass in one C call (kernels/decoder_stack.c `eagle3_pass`): the input projection of the
+    target's features, the embedding rows, the two norms and their concatenation, the layer (`DrafterLayer`), the
+    output norm, the head and its argmax. A drafting step run from Python was ~400 calls around ~0.3 ms of C
+    (`propose` 0.52-0.67 ms on a 2-core EPYC, ~0.2 of a SmolLM2 decode step). `ok` False where a part is not
+    held as the kernels need it: every linear a GGML one (`DraftQ8Linear`), the target's embedding repacked
+    GGML rows (AVX512-BF16) or a bf16 table, one epsilon for all norms."""
+
+    def __init__(self, layer: DrafterLayer | None, fc, head, norm_e, norm_u, norm_o, embed, features: int):
+        from .cpu_packing import DraftQ8Linear
+        from .ggml_linear import GGMLEmbedding
+
+        self.ok, self.layer, self.keep = False, layer, []
+        vf = ggml_linear._vfns()
+        rows = type(embed) is GGMLEmbedding and embed.w.blocks is None and vf is not None \
+            and embed.dtype == torch.bfloat16  # repacked GGML rows (a GGUF target on AVX512-BF16) ...
+        dense = type(embed) is torch.nn.Embedding and embed.weight.dtype == torch.bfloat16 \
+            and embed.weight.device.type == "cpu" and embed.weight.is_contiguous()  # ... or a bf16 table
+        if layer is None or not layer.ok or not all(isinstance(m, DraftQ8Linear) for m in (fc, head)) \
+                or not (rows or dense) or {n.eps for n in (norm_e, norm_u, norm_o)} != {layer.eps}:
+            return
+        fl, hl = _lin(fc.q8, torch.bfloat16, self.keep), _lin(head.q8, torch.bfloat16, self.keep)
+        if fl is None or hl is None or fc.bias is not None or head.bias is not None:
+            return
+        self.keep += [fc, head, embed]
+        self.norms = [norm_e, norm_u, norm_o]
+        self.norm_key = _norm_key([n.weight for n in self.norms])
+        w = [n._w32() for n in self.norms]
+        self.keep += w
+        self.desc = _Eagle(fc=fl, head=hl, norm_e=w[0].data_ptr(), norm_u=w[1].data_ptr(), norm_o=w[2].data_ptr(),
+                           F=features)
+        if rows:
+            self.desc.vrows, self.desc.emb_type = _addr(vf["ggml_vrows"]), embed.w.type_id
+            self.desc.emb_codes, self.desc.emb_scales = embed.w.codes.data_ptr(), embed.w.scales.data_ptr()
+        else:
+            self.desc.emb_dense = embed.weight.data_ptr()
+        self.emb_key = (embed.weight.data_ptr(), layer_ops.version(embed.weight)) if dense else None
+        self.embed = embed
+        self.hidden, self.vocab = layer.hidden, head.out_features
+        self.ok = True
+
+
+def run_eagle3(step: EagleStep | None, feats: torch.Tensor, ids: torch.Tensor, kvp, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """One row's EAGLE-3 pass over M new positions, causal over the row's last M slots of the KV pass `kvp`:
+    feats (M, F) bf16 target features, ids (M,) int64 the tokens that follow them -> (the layer's outputs (M, H)
+    bf16, the last row's logits (V,) bf16, its argmax (a 0-d int64 tensor)); None where the pass does not allow
+    it (then the model runs layer by layer)."""
+    layer = None if step is None else step.layer
+    if step is None or not step.ok or _eagle_kernel() is None or _ops() is None or feats.dtype != torch.bfloat16 \
+            or layer.norm_key != _norm_key(layer.norm_ws) or step.norm_key != _norm_key([n.weight for n in step.norms]) \
+            or (step.emb_key is not None and step.emb_key != (step.embed.weight.data_ptr(),
+                                                              layer_ops.version(step.embed.weight))):
+        return None
+    M = feats.shape[0]
+    x = torch.empty(1, M, step.hidden, dtype=torch.bfloat16)
+    if kvp.n != 1 or not _usable(x, kvp, cos, sin, layer.head_dim):
+        return None
+    p, _ = _pass(layer, 1, M, kvp, None, cos, sin)
+    feats, ids = feats.contiguous(), ids.contiguous()
+    logits = torch.empty(step.vocab, dtype=torch.bfloat16)
+    best = torch.zeros((), dtype=torch.int64)
+    rc = _eagle_kernel()(ctypes.byref(_ops_state["ops"]), layer.layers, ctypes.byref(step.desc), ctypes.byref(p),
+                         feats.data_ptr(), ids.data_ptr(), x.data_ptr(), logits.data_ptr(), best.data_ptr())
+    if rc == -2:
+        raise MemoryError("eagle3 pass: could not allocate its buffers")
+    if rc != 0:
+        raise RuntimeError(f"eagle3 pass: a kernel failed (code {rc})")
+    return x[0], logits, best
+
+
 def _stack(model) -> _Stack | None:
     if _kernel() is None or _ops() is None:
         return None
@@ -222,19 +307,16 @@ def _usable(x: torch.Tensor, kvp, cos: torch.Tensor, sin: torch.Tensor, head_dim
         and sin.is_contiguous() and cos.numel() == B * T * head_dim
 
 
-def _call(st: _Stack, x: torch.Tensor, ctx, cos, sin, stops: list[int], n_layers: int, ain=None):
-    kvp = ctx.kv
+def _pass(st: _Stack, B: int, T: int, kvp, mask, cos, sin) -> tuple[_Pass, torch.Tensor | None]:
+    """The C description of a pass of B rows x T tokens through the KV pass `kvp` (and the mask it points into,
+    to keep alive while it runs)."""
     store = kvp.kv
-    B, T, _ = x.shape
-    mask = ctx.masks.get("full")
     _, R, Hkv, smax, D = store.k.shape
     es = store.k.element_size()
     p = _Pass(B=B, T=T, Hd=st.hidden, H=st.heads, Hkv=st.kv_heads, D=st.head_dim, I=st.inter, eps=st.eps,
               scale=st.scale, kv_bf16=int(store.k.dtype == torch.bfloat16), lstride=R * Hkv * smax * D,
               rstride=Hkv * smax * D, smax=smax, start=kvp.start, S=kvp.S, cos=cos.data_ptr(), sin=sin.data_ptr(),
               threads=torch.get_num_threads(), force_avx2=int(ggml_linear.FORCE_AVX2))
-    if ain is not None:
-        p.ain, p.ain_k = ain
     r0 = kvp.rows[0]
     p.k = store.k.data_ptr() + r0 * p.rstride * es
     p.v = store.v.data_ptr() + r0 * p.rstride * es
@@ -244,6 +326,14 @@ def _call(st: _Stack, x: torch.Tensor, ctx, cos, sin, stops: list[int], n_layers
             mask = mask.contiguous()
         p.mask, p.msb, p.mst = mask.data_ptr(), mask.stride(0), mask.stride(2)
     p.chunk = invariant_attention._chunk(B * st.heads * T, p.threads)
+    return p, mask
+
+
+def _call(st: _Stack, x: torch.Tensor, ctx, cos, sin, stops: list[int], n_layers: int, ain=None):
+    B, T, _ = x.shape
+    p, _mask = _pass(st, B, T, ctx.kv, ctx.masks.get("full"), cos, sin)
+    if ain is not None:
+        p.ain, p.ain_k = ain
     if PROFILE is not None:
         _prof[:3] = [0.0, 0.0, 0.0]
         p.prof = ctypes.cast(_prof, P)

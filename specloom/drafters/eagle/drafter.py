@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models import fused_stack
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, VOCAB_KEYS, path_rows, register
 from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_tensor
@@ -269,6 +270,43 @@ class EagleDrafter(Drafter):
                 out[i] = h[j, m[i] - 1]
         return torch.stack(out)
 
+    def _one_call(self, c):
+        """`_catch_up` for one row on a CPU as one C call (models/fused_stack.py `run_eagle3`), which also scores
+        the root's children: (h* (1, H), its logits (V_d,) bf16, their argmax), the same bits as the layer-by-layer
+        path; None where it cannot run (that path then runs)."""
+        step = self.model.eagle_step() if c.kv.device.type == "cpu" else None
+        if step is None:
+            return None
+        store = self._stores(c)[0]
+        stable, feats = store.lengths[c.row], c.state.feats
+        f = torch.cat(feats) if len(feats) > 1 else feats[0]
+        m = f.shape[0]
+        if stable + m != c.root_position:
+            raise RuntimeError(f"eagle drafter out of step: {stable} + {m} rows for root position {c.root_position}")
+        p = store.begin([c.row], [m])
+        pos = torch.arange(stable, stable + m)[None]
+        p.set_positions(pos)
+        cos, sin = self.model.rope(pos, torch.bfloat16)
+        out = fused_stack.run_eagle3(step, f.to(torch.bfloat16), torch.tensor(c.tokens[stable + 1:c.root_position + 1]),
+                                     p, cos, sin)
+        if out is None:
+            return None  # (the uncommitted pass is dropped by the next `begin`; the features stay for `_catch_up`)
+        store.commit()
+        c.state.feats = []
+        x, logits, best = out
+        return x[-1:], logits, best
+
+    def _first_draw(self, ctxs, h, first, drafts, qs) -> None:
+        """Depth 1 of a chain: from `_one_call`'s logits and argmax where it ran (greedy: no further op)."""
+        m = self.model
+        if first is None:
+            draw(ctxs, self._logits(h, 0), [0 < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
+        elif ctxs[0].k > 0 and ctxs[0].params.greedy:
+            b = int(first[2])
+            drafts[0].append(b + int(m.d2t[b]))
+        else:
+            draw(ctxs, first[1].float()[None], [0 < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
+
     def _rows(self, h, tokens, depth: int, ctxs, mask=None):
         """Append T rows of draft depth `depth` per call row (h (B, T, H) the hidden they read, tokens (B, T))
         to the store of that depth; returns their outputs (B, T, H)."""
@@ -300,15 +338,16 @@ class EagleDrafter(Drafter):
             trees = graphed.propose(self, ctxs[0])
             if trees is not None:
                 return trees
-        h = self._catch_up(ctxs)
+        first = self._one_call(ctxs[0]) if len(ctxs) == 1 and self.eagle3 else None
+        h = first[0] if first is not None else self._catch_up(ctxs)
         if h is None:
             return [DraftTree.chain(c.tokens[-1], []) for c in ctxs]
         for c in ctxs:
             c.state.base = [s.lengths[c.row] for s in self._stores(c)]
         try:
             if self.width == 1:
-                return self._chain(ctxs, h)
-            return self._tree(ctxs, h)
+                return self._chain(ctxs, h, first)
+            return self._tree(ctxs, h, first)
         finally:
             for c in ctxs:  # tree rows are dropped: only committed positions stay
                 for s, n in zip(self._stores(c), c.state.base):
@@ -328,28 +367,33 @@ class EagleDrafter(Drafter):
         """Draft-vocabulary logits (N, V_d) of depth-`depth` outputs h (N, H) (depth 0: the catch-up's)."""
         return self.model.draft_logits(h)
 
-    def _chain(self, ctxs, h: torch.Tensor) -> list[DraftTree]:
+    def _chain(self, ctxs, h: torch.Tensor, first=None) -> list[DraftTree]:
         m = self.model
         K = max(c.k for c in ctxs)
         drafts = [[] for _ in ctxs]
         qs = [[] for _ in ctxs]
         for i in range(K):
-            draw(ctxs, self._logits(h, i), [i < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
+            if i == 0:
+                self._first_draw(ctxs, h, first, drafts, qs)
+            else:
+                draw(ctxs, self._logits(h, i), [i < c.k for c in ctxs], drafts, qs, m.to_target_ids, m.expand_logits)
             if i + 1 < K:
                 toks = torch.tensor([[d[-1]] for d in drafts], device=h.device)
                 h = self._rows(h[:, None], toks, i + 1, ctxs)[:, 0]
         return chains(ctxs, drafts, qs)
 
-    def _tree(self, ctxs, h_star: torch.Tensor) -> list[DraftTree]:
+    def _tree(self, ctxs, h_star: torch.Tensor, first=None) -> list[DraftTree]:
         """EAGLE-2 for all rows at once: each depth expands every row's `w` frontier nodes in one drafter pass,
         then every row keeps its best candidates (`_expand`, `_select`)."""
         ks = [c.k for c in ctxs]
         budgets = [self.num_nodes if c.max_nodes is None else min(self.num_nodes, c.max_nodes) for c in ctxs]
         stop = self.early_stop if self.early_stop is not None else h_star.device.type == "cpu"
-        cand = self._expand(ctxs, h_star, self.width, ks, budgets if stop else None)
+        cand = self._expand(ctxs, h_star, self.width, ks, budgets if stop else None,
+                            None if first is None else first[1].float()[None])
         return self._select(ctxs, cand.tokens, cand.scores, cand.parents, cand.valid(ks), cand.n_keep(ks, budgets))
 
-    def _expand(self, ctxs, h_star: torch.Tensor, w: int, ks: list[int], budgets: list[int] | None):
+    def _expand(self, ctxs, h_star: torch.Tensor, w: int, ks: list[int], budgets: list[int] | None,
+                logits0: torch.Tensor | None = None):
         """The EAGLE-2 candidates of every row, to depth max(ks): depth 1 = the top-w children of the root
         (scored by h*), then per depth one drafter pass over each row's w frontier nodes (the best w candidates
         of the previous depth), whose top-w children each are the next depth's candidates. Everything is a
@@ -361,7 +405,7 @@ class EagleDrafter(Drafter):
         K = max(ks)
         k_of = None if budgets is None else torch.tensor(ks, device=dev)
         budget = None if budgets is None else torch.tensor(budgets, device=dev)
-        lp = torch.log_softmax(self._logits(h_star, 0), -1)  # (B, V_d)
+        lp = torch.log_softmax(self._logits(h_star, 0) if logits0 is None else logits0, -1)  # (B, V_d)
         top = lp.topk(w, -1)
         toks, scores = [m.to_target_ids(top.indices)], [top.values]
         parents, depths = [torch.full((B, w), -1, device=dev)], [1]

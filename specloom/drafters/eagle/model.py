@@ -231,6 +231,25 @@ class EagleDraftModel(nn.Module):
         fused = DrafterLayer(layer.post_attention_layernorm, *[k.q8 for k in ks], at.scale, c.intermediate_size,
                              self.dtype, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size)
         return fused if fused.ok else None
+    def eagle_step(self):
+        """EAGLE-3's whole drafting pass as one C call (models/fused_stack.py `EagleStep`), built on first use and
+        again whenever the modules it reads change (a reduced head, new projections, another target's embedding);
+        None where it cannot run (EAGLE-1, a norm on the features, a part not held as GGML weights)."""
+        from ...models.fused_stack import EagleStep
+
+        c, fused = self.config, self.__dict__.get("_fused")
+        if not c.eagle3 or c.norm_before_fc or c.fc_norm or fused is None:
+            return None
+        layer, embed = self.layers[0], self._shared.get("embed")
+        key = (id(fused), id(self.fc), id(self.lm_head), id(embed))
+        cached = self.__dict__.get("_step")
+        if cached is None or cached[0] != key:
+            step = EagleStep(fused, self.fc, self.lm_head, layer.input_layernorm, layer.hidden_norm, self.norm, embed,
+                             self.fc.in_features)
+            cached = (key, step if step.ok else None)
+            self.__dict__["_step"] = cached
+        return cached[1]
+
     @property
     def dtype(self):
         return self.layers[0].mlp.down_proj.weight.dtype

@@ -164,3 +164,66 @@ int llama_stack(const ops_t *op, const layer_t *layers, int l0, int l1, const pa
     if (p->prof) p->prof[2] += now() - t0;
     return rc;
 }
+
+/* ---- an EAGLE-3 drafting pass of one row in one call ---------------------------------------------------------
+ * The drafter's forward from the target's features to its draft, as drafters/eagle/model.py computes it layer by
+ * layer (the same C kernels in the same order, so the same bits; tested):
+ *   u = fc(feats) [M, Hd]; e = bf16(embedding rows of ids: GGML rows dequantised, or a bf16 table's); ain = cat[norm_e(e), norm_u(u)] [M, 2 Hd];
+ *   x = the drafter layer (llama_stack with `ain`) over u, its K/V written to the pass's slots;
+ *   for the last row: logits [V] bf16 = head(norm_o(x)), best = the first maximum.
+ * x [M, Hd] bf16 is the caller's: it holds the layer's outputs afterwards (the next depth's input). */
+typedef int (*vrows_fn)(int t, const uint8_t *codes, const uint8_t *scales, int64_t K, const int64_t *ids, int64_t n,
+                        float *out);
+
+typedef struct {
+    lin_t fc, head;
+    const float *norm_e, *norm_u, *norm_o;  /* fp32 weights */
+    vrows_fn vrows;                         /* the repacked embedding's row lookup (ggml_vrows) ... */
+    int emb_type;
+    const uint8_t *emb_codes, *emb_scales;
+    const uint16_t *emb_dense;              /* ... or NULL, and a bf16 embedding table [vocab, Hd] instead */
+    int64_t F;                              /* fc's input: the concatenated target features */
+} eagle_t;
+
+int eagle3_pass(const ops_t *op, const layer_t *layer, const eagle_t *e, const pass_t *p, const uint16_t *feats,
+                const int64_t *ids, uint16_t *x, uint16_t *logits, int64_t *best) {
+    int64_t M = p->B * p->T, Hd = p->Hd, V = e->head.out;
+    size_t bytes = (size_t)M * Hd * 4 + (size_t)M * Hd * 2 * 4 + (size_t)Hd * 2 + 64;
+    char *buf = (char *)malloc(bytes);
+    if (!buf) return -2;
+    float *ef = (float *)buf;
+    uint16_t *eb = (uint16_t *)(ef + M * Hd), *tmp = eb + M * Hd, *ain = tmp + M * Hd, *hn = ain + M * 2 * Hd;
+    int rc = linear(op, &e->fc, feats, M, e->F, x, p);
+    if (e->emb_dense)
+        for (int64_t m = 0; m < M; m++) memcpy(eb + m * Hd, e->emb_dense + ids[m] * Hd, Hd * 2);
+    else {
+        if (!rc) rc = e->vrows(e->emb_type, e->emb_codes, e->emb_scales, Hd, ids, M, ef);
+        if (!rc) rc = op->narrow(ef, eb, M * Hd);
+    }
+    if (!rc) rc = op->norm(eb, NULL, NULL, tmp, e->norm_e, M, Hd, p->eps);
+    for (int64_t m = 0; !rc && m < M; m++) memcpy(ain + m * 2 * Hd, tmp + m * Hd, Hd * 2);
+    if (!rc) rc = op->norm(x, NULL, NULL, tmp, e->norm_u, M, Hd, p->eps);
+    for (int64_t m = 0; !rc && m < M; m++) memcpy(ain + m * 2 * Hd + Hd, tmp + m * Hd, Hd * 2);
+    if (!rc) {
+        pass_t q = *p;
+        q.ain = ain;
+        q.ain_k = 2 * Hd;
+        rc = llama_stack(op, layer, 0, 1, &q, x);
+    }
+    for (int64_t b = 0; !rc && b < p->B; b++) {
+        const uint16_t *last = x + (b * p->T + p->T - 1) * Hd;
+        uint16_t *lb = logits + b * V;
+        if ((rc = op->norm(last, NULL, NULL, hn, e->norm_o, 1, Hd, p->eps))) break;
+        if ((rc = linear(op, &e->head, hn, 1, Hd, lb, p))) break;
+        int64_t arg = 0;
+        float top = 0;
+        for (int64_t v = 0; v < V; v++) {
+            union { uint32_t u; float f; } c;
+            c.u = (uint32_t)lb[v] << 16;
+            if (v == 0 || c.f > top) { top = c.f; arg = v; }
+        }
+        best[b] = arg;
+    }
+    free(buf);
+    return rc;
+}
