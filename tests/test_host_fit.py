@@ -503,8 +503,8 @@ def test_evidence_that_stops_drafting_is_forgotten_after_a_quiet_stretch():
     ks, row = _run_policy(pol, report, 30, 2)  # the busy stretch: measured, then no depth pays
     assert ks[0] > 0 and not row.drafting and pol.draft_cost == pytest.approx(3.0), ks
     assert not pol.pays_alone(1.0, 2)
-    pol._drafted = [48.0, 32.0, 32.0, 32.0]  # the predictions ran high too (1.5x)
-    assert pol.optimism() == pytest.approx(1.5)
+    pol._drafted = [48.0, 32.0, 32.0, 48.0, 16.0]  # the cost predictions ran low too (1.5x), the tokens high (2x)
+    assert pol.optimism() == pytest.approx(1.5) and pol.token_scale() == pytest.approx(0.5)
     per_depth["busy"] = 0.1  # the host is quiet again
     quiet, runs = 0, []
     while len(runs) < 40:
@@ -520,10 +520,53 @@ def test_evidence_that_stops_drafting_is_forgotten_after_a_quiet_stretch():
     assert pol.optimism() == 1.0
 
 
+def test_expected_tokens_follow_what_drafted_steps_emitted():
+    """Suffix decoding in front of EAGLE-3 drafts the suffix tree's whole depth at depth 1: its drafted steps
+    emitted 2x the accepted drafts the geometric run expected, which the policy once could only hold against
+    drafting. `token_scale` follows them both ways (within its range), and a depth-1 step that did not pay at
+    the geometric expectation pays at the emitted one; a drafter whose drafts are all rejected stops paying."""
+    from specloom.depth import TOKEN_SCALE_MAX, TOKEN_SCALE_MIN, geometric_tokens
+
+    verify = {1: 1.0, 2: 1.4, 3: 1.8, 5: 2.6, 9: 4.2, 17: 7.4}  # a verification row at 0.4 of a decode step
+    pol = DepthPolicy("auto", 1, curve(verify), prior_alpha=0.35, idle_free=True)
+    assert pol.token_scale() == 1.0 and pol.tokens(0.35, 1) == pytest.approx(geometric_tokens(0.35, 1))
+    assert not pol.pays_alone(0.35, 1)  # 1.35 tokens for 1.4 steps
+    for _ in range(40):  # depth-1 steps expecting 1.35 tokens, emitting 1.7
+        pol._account(1.35, 1.7, 1.4, 1.4, drafted=True)
+    assert pol.token_scale() == pytest.approx(2.0) and pol.optimism() == 1.0
+    assert pol.tokens(0.35, 1) == pytest.approx(1.7) and pol.tokens(0.35, 0) == 1.0
+    assert pol.pays_alone(0.35, 1)
+    for _ in range(200):  # now emitting 3 tokens a step: the scale stops at its cap
+        pol._account(1.35, 3.0, 1.4, 1.4, drafted=True)
+    assert pol.token_scale() == TOKEN_SCALE_MAX
+    for _ in range(200):  # every draft rejected: its floor, and no depth pays
+        pol._account(1.35, 1.0, 1.4, 1.4, drafted=True)
+    assert pol.token_scale() == TOKEN_SCALE_MIN and not pol.pays_alone(0.5, 1)
+
+
+def test_a_streak_of_rejections_does_not_idle_a_row_whose_drafts_pay_as_a_whole():
+    """After its trial a row is judged at no less than the upper bound (z = 1) of all its own drafts: a row
+    that accepted 12 of 30 single drafts (0.4, break-even here 0.3) keeps drafting through 5 rejections in a
+    row; one that accepted 2 of 30 idles at once, and so does the first without the bound."""
+    verify = {1: 1.0, 2: 1.3, 3: 1.6, 5: 2.2, 9: 3.4, 17: 5.8}
+    pol = DepthPolicy("auto", 1, curve(verify), prior_alpha=0.4, idle_free=True)
+    good, bad = pol.new_acceptance(), pol.new_acceptance()
+    for i in range(30):
+        good.update(1, 1 if i % 5 in (0, 2) else 0)
+        bad.update(1, 1 if i in (3, 17) else 0)
+    for _ in range(5):
+        good.update(1, 0)
+    assert good.alpha < 0.3 < pol.alpha(good) and pol.choose([pol.alpha(good)], [1]) == [1]
+    assert pol.choose([pol.alpha(bad)], [1]) == [0]
+    pol.lifetime_z = 0.0
+    assert pol.choose([pol.alpha(good)], [1]) == [0]
+
+
 def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
     """Where no depth pays (verification ~n steps), an n-gram-like drafter is probed at depth 1 after 8 idle
-    steps, again at every step while the probe finds no draft (that cost nothing), then after 16; a drafter that
-    updates state every step is turned off after `patience` idle steps."""
+    steps, again at every step while the probe finds no draft (that cost nothing), then after 8 again (the
+    period's cap, `explore_max`); a drafter that updates state every step is turned off after `patience` idle
+    steps."""
     from specloom.step import StepReport
     from specloom.tree import DraftTree
 
@@ -535,7 +578,7 @@ def test_plain_fallback_probes_a_cheap_drafter_and_turns_a_costly_one_off():
         return _run_policy(DepthPolicy("auto", 4, curve(LINEAR_IN_N), cheap=cheap), report, steps, 4)
 
     ks, row = run(True, lambda i: i >= 10, 40)  # no draft at the first probes (steps 7-9), one at step 10
-    assert ks[:7] == [0] * 7 and ks[7:11] == [1] * 4 and ks[11:26] == [0] * 15 and ks[26] == 1, ks
+    assert ks[:7] == [0] * 7 and ks[7:11] == [1] * 4 and ks[11:18] == [0] * 7 and ks[18] == 1, ks
     assert row.drafting
     ks, row = run(False, lambda i: True, 40)
     assert ks == [0] * 8 and not row.drafting and row.ctx.state is None, ks

@@ -26,14 +26,34 @@ drafts (= sampling y ~ p and matching candidates in order), which is exact under
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from ...models import fused_stack
+from ...sampling import SamplingParams
 from ...tree import DraftTree
 from ..base import DraftContext, Drafter, TREE_KEYS, VOCAB_KEYS, path_rows, register
 from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_tensor
 
+log = logging.getLogger("specloom")
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
+
+
+def _last_level_cache_bytes() -> int:
+    """This CPU's last-level cache (Linux sysfs; 32 MiB where it cannot be read)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=32 << 20)
 
 
 class Candidates:
@@ -82,15 +102,18 @@ class ShapeTable:
         return cls([tuple(r) for r in shapes], float(costs["c0"]), {int(k): float(v) for k, v in costs["c1"].items()},
                    now)
 
-    def best(self, curve) -> tuple[int, int, int, float] | None:
+    def best(self, curve, costs: tuple[float, dict] | None = None) -> tuple[int, int, int, float] | None:
+        """The shape to draft with under `curve` and the drafting costs (c0, c1) timed on this host (None: the
+        table's own); None to keep the checkpoint's."""
         step = curve(1, 1)
         if not step or step <= 0:
             return None
+        c0, c1 = costs if costs is not None else (self.c0, self.c1)
 
         def predicted(d, w, n, tau, passes):
-            return tau / (curve(1, n + 1) / step + self.c0 + self.c1[w] * passes)
+            return tau / (curve(1, n + 1) / step + c0 + c1[w] * passes)
 
-        scored = [(predicted(*r), r) for r in self.shapes if r[1] in self.c1]
+        scored = [(predicted(*r), r) for r in self.shapes if r[1] in c1]
         if not scored:
             return None
         top, r = max(scored, key=lambda x: x[0])
@@ -175,14 +198,17 @@ class EagleDrafter(Drafter):
             model.keep_head_rows(rows)
 
     def fit_tree(self, curve) -> bool:
-        """Re-choose the tree for this host's verify-cost curve (`curve(1, t)`: seconds of a t-token pass), once,
-        where the request set no shape and the checkpoint carries a shape table. True if the shape changed (the
-        prior tau then scaled to the new shape: `prior_tau`)."""
+        """Re-choose the tree for this host's verify-cost curve (`curve(1, t)`: a t-token pass in decode steps;
+        its `base` the seconds of one) and the drafting costs timed here (`drafting_costs`), once, where the
+        request set no shape and the checkpoint carries a shape table. True if the shape changed (the prior tau
+        then scaled to the new shape: `prior_tau`)."""
         table = getattr(self, "shape_table", None)
         if table is None:
             return False
         self.shape_table = None
-        best = table.best(curve)
+        unit = getattr(curve, "base", None)
+        costs = self.drafting_costs(unit, sorted(table.c1)) if unit else None
+        best = table.best(curve, costs)
         if best is None or best[:3] == (self.depth, self.width, self.num_nodes):
             return False
         depth, width, nodes, tau = best
@@ -191,6 +217,52 @@ class EagleDrafter(Drafter):
             self.prior_tau = 1 + (measured - 1) * (tau - 1) / (table.tau_now - 1)
         self.depth, self.width, self.num_nodes = depth, width, depth if width == 1 else nodes
         return True
+
+    @torch.inference_mode()
+    def drafting_costs(self, unit_s: float, widths: list[int], depth: int = 4, samples: int = 5):
+        """This host's drafting costs in units of `unit_s` (a target decode step), as the shape table prices them:
+        c0 a depth-1 draft (the catch-up over the last step's two positions and the root's head), c1(w) each
+        further tree depth of width w, from `propose` itself over random features after 128 cached positions
+        (fastest of `samples`, kinds interleaved). The table's own costs were timed on another host with other
+        code: there c0 was 0.34 target steps, on a 2-core EPYC after the one-call pass (`_one_call`) ~0.14.
+        None where the drafter cannot run here (it then keeps the table's costs)."""
+        m, dev = self.model, self.model.fc.weight.device
+        if dev.type != "cpu" or not unit_s or unit_s <= 0:
+            return None
+        saved = self.depth, self.width, self.num_nodes, self.early_stop
+        # stands in for the target's store: the prompt, two positions per timed draft, a tree's rows beyond
+        host = m.new_kv(128 + 2 * (samples + 1) * (len(widths) + 1) + depth * max(widths, default=1) + 8)
+        F = m.fc.in_features
+        g = torch.Generator().manual_seed(0)
+        vocab = m.config.vocab_size
+        ctx = DraftContext(torch.randint(0, vocab, (129,), generator=g).tolist(), 100, SamplingParams(), None, 1,
+                           kv=host, state=self.new_state())
+        ctx.state.feats = [torch.randn(128, F, generator=g).to(m.dtype)]
+        kinds = [(None, 1)] + [(w, w) for w in widths]
+        times: dict = {k: [] for k, _ in kinds}
+        flush = torch.empty(2 * _last_level_cache_bytes(), dtype=torch.uint8)  # a target pass streams its weights
+        # between two drafts: the drafter's own are not in cache then (timed warm, c0 read 0.09 against 0.135)
+        try:
+            self.early_stop = False
+            self._catch_up([ctx])
+            for s in range(samples + 1):
+                for key, w in kinds[s % len(kinds):] + kinds[:s % len(kinds)]:
+                    ctx.tokens += torch.randint(0, vocab, (2,), generator=g).tolist()
+                    ctx.state.feats = [torch.randn(2, F, generator=g).to(m.dtype)]
+                    ctx.k = self.depth = 1 if key is None else depth
+                    self.width, self.num_nodes = w, (1 if key is None else w * depth)
+                    flush.fill_(s)
+                    t = time.perf_counter()
+                    self.propose([ctx])
+                    if s:  # the first round warms up
+                        times[key].append(time.perf_counter() - t)
+        except Exception:  # a drafter this harness cannot drive keeps the table's costs
+            log.exception("timing the drafter's costs failed: the shape table's own are used")
+            return None
+        finally:
+            self.depth, self.width, self.num_nodes, self.early_stop = saved
+        c0 = min(times[None]) / unit_s
+        return c0, {w: max(0.0, min(times[w]) / unit_s - c0) / (depth - 1) for w in widths}
 
     @property
     def num_speculative_tokens(self) -> int:
