@@ -316,6 +316,12 @@ def test_tree_shape_table_keeps_the_tuned_tree_on_its_host_and_shrinks_it_where_
     assert table.best(curve(STEEP)) == (1, 1, 1, 1.5)  # 1.5 / 1.25 = 1.20 against 2.0 / 1.90 = 1.05
     tie = ShapeTable([(2, 4, 4, 2.0, 1.0), (1, 1, 1, 1.43, 0.0)], 0.19, {1: 0.12, 4: 0.14}, (2, 4, 4))
     assert tie.best(curve(CHEAP)) is None  # 1.43 / 1.21 = 1.18 < 1.42
+    # among shapes within 2 % of the best, the cheapest: against the depth-1 chain's 1.5 / 1.25 = 1.20, a
+    # depth-2 two-node chain (v(3) 1.22 + 0.19 + 0.12 x 1 pass) leading by 2.5 % is taken, one leading by 1 % not
+    lead = ShapeTable(shapes + [(2, 1, 2, 1.882, 1.0)], 0.19, {1: 0.12, 4: 0.14}, (2, 4, 4))
+    assert lead.best(curve(STEEP)) == (2, 1, 2, 1.882)
+    near = ShapeTable(shapes + [(2, 1, 2, 1.854, 1.0)], 0.19, {1: 0.12, 4: 0.14}, (2, 4, 4))
+    assert near.best(curve(STEEP)) == (1, 1, 1, 1.5)
 
 
 def test_auto_refits_the_bundled_eagle3_tree_to_the_host_curve_and_stays_exact():
