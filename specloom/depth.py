@@ -54,6 +54,7 @@ class PolicyPlan(StepPlan):
     free: set[int] = field(default_factory=set)  # rows verifying a free draft (no drafter pass)
     probed: set[int] = field(default_factory=set)  # idle rows probed at depth 1
     backlog: bool = False  # some drafted row first catches up this step (its cost is not steady drafting)
+    width: int = 1  # the pass width the policy priced this step at (a row's tree may come out wider)
 
 
 def speculation_mode(name: str) -> str:
@@ -207,6 +208,7 @@ class DepthPolicy:
         # short for suffix decoding in front of EAGLE-3, whose depth-1 steps draft the suffix tree's whole depth
         self.token_calibration = True
         self.last_k = 0
+        self.last_free_width = 1  # the pass width `_free_drafts` priced its taken drafts at
 
     @classmethod
     def for_drafter(cls, mode: str, drafter, cost: BatchCost | None = None,
@@ -411,7 +413,9 @@ class DepthPolicy:
         backlog = any(d and not r.acc.caught_up for r, d in zip(rows, drafted))
         for r, d in zip(rows, drafted):
             r.acc.caught_up = d
-        return PolicyPlan(ks, nodes, alphas, free, probed, backlog)
+        width = max([self.nodes(k) for i, k in enumerate(ks) if k > 0 and i not in free]
+                    + [self.last_free_width if free else 1])
+        return PolicyPlan(ks, nodes, alphas, free, probed, backlog, width)
 
     def observe(self, rows: list, plan: "PolicyPlan", rep) -> None:
         """Learn from the step `plan` led to (`rep`, a StepReport): calibrate the cost curve with the measured
@@ -429,7 +433,10 @@ class DepthPolicy:
                 unit = rep.pass_seconds / self.cost(n, rep.width)
             if unit and rep.pass_seconds > 0 and not plan.backlog:  # before calibration: what the curve predicted
                 # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
-                predicted = self.cost(n, rep.width) + sum(ks[i] for i in drafted) * self.draft_cost
+                # priced at the width the plan assumed: a hybrid's depth-1 step that verifies its suffix tree
+                # 8 deep runs a 9-token pass (in a batch, every row's), and its surplus tokens (`token_scale`) must
+                # not be credited without that cost
+                predicted = self.cost(n, max(plan.width, 1)) + sum(ks[i] for i in drafted) * self.draft_cost
                 measured = (rep.pass_seconds + rep.draft_seconds) / unit
                 if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
                     predicted = measured = 1.0
@@ -485,10 +492,12 @@ class DepthPolicy:
         tokens = sum(self.tokens(self.alpha(r.acc), k) for r, k in zip(rows, ks))
         width = max(self.nodes(k) if k else 1 for k in ks)
         taken = set()
+        self.last_free_width = width
         for i, (tree, e) in sorted(((i, o) for i, o in zip(idle, offers) if o is not None), key=lambda x: -x[1][1]):
             w = max(width, len(tree))
             if (tokens + e) / self.cost(n, w) > self.need() * tokens / self.cost(n, width):
                 tokens, width = tokens + e, w
                 ks[i] = max(1, min(tree.max_depth, caps[i]))
                 taken.add(i)
+                self.last_free_width = width
         return taken
