@@ -41,7 +41,6 @@ from .errors import SpecloomError
 from .step import StepPlan
 
 MODES = ("off", "fixed", "load_aware")
-TOKEN_SCALE_MIN, TOKEN_SCALE_MAX = 0.25, 2.0  # the range of `DepthPolicy.token_scale`
 PROBE_NEVER = 2 ** 31  # a row's probe period when it is not to be probed (`DepthPolicy.admit`)
 MODE_ALIASES = {"auto": "load_aware"}  # what generate / bench call it
 
@@ -156,8 +155,7 @@ class DepthPolicy:
     steps (or at admission, `admit`, when its prior already says it cannot pay). Rows left idle may still verify a
     draft that costs no drafter pass (`Drafter.free_drafts`: the suffix half of a hybrid) where its expected tokens
     pay for the wider pass. Evidence only drafted steps renew (drafting's cost, `optimism`) is forgotten after
-    `forget_after` steps without one, so a busy stretch cannot turn drafting off for good (`forget`). The
-    expected tokens of a drafted step follow what drafted steps emitted (`tokens`, `token_scale`). Where the
+    `forget_after` steps without one, so a busy stretch cannot turn drafting off for good (`forget`). Where the
     drafter's passes have cost more than they returned (`value`, in plain steps), only every `explore_every`-th
     new row is probed: a request's first probe catches the drafter up over its whole prompt."""
 
@@ -187,7 +185,7 @@ class DepthPolicy:
         self.margin = 1.02  # a depth must beat plain decoding by 2 % to be chosen ...
         # ... times how much the policy's own predictions of drafted steps have run high (`optimism`): decayed sums
         # of expected and emitted tokens and of predicted and measured step cost, drafted steps against plain ones
-        self._drafted = [0.0, 0.0, 0.0, 0.0, 0.0]  # expected tokens, emitted tokens, predicted cost, measured cost, rows
+        self._drafted = [0.0, 0.0, 0.0, 0.0]  # expected tokens, emitted tokens, predicted cost, measured cost
         self._plain = [0.0, 0.0]  # predicted cost, measured cost
         # evidence against drafting (its cost, the predictions' shortfall) is renewed only by drafted steps, which
         # it may itself prevent: after this many steps without a measured drafted step it is forgotten (`forget`)
@@ -204,9 +202,6 @@ class DepthPolicy:
         # drafter that paid on average (EAGLE-3 at depth 1: ~0.39 accepted, break-even ~0.28 here) once made
         # `auto` 7-9 % slower than drafting every step
         self.acc_decay, self.lifetime_z = 0.95, 1.0
-        # scale the geometric run's accepted drafts by what drafted steps emitted (`token_scale`): it ran 2x
-        # short for suffix decoding in front of EAGLE-3, whose depth-1 steps draft the suffix tree's whole depth
-        self.token_calibration = True
         self.last_k = 0
         self.last_free_width = 1  # the pass width `_free_drafts` priced its taken drafts at
 
@@ -275,7 +270,7 @@ class DepthPolicy:
         return 1 + math.ceil(k * self.nodes_per_depth)
 
     def _rate(self, alphas: list[float], k: int, n: int) -> float:
-        return sum(self.tokens(a, k) for a in alphas) / (self.cost(n, self.nodes(k)) + n * k * self.draft_cost)
+        return sum(geometric_tokens(a, k) for a in alphas) / (self.cost(n, self.nodes(k)) + n * k * self.draft_cost)
 
     def expected_speedup(self, alpha: float, k: int) -> float:
         """One row: E[tokens per step](k) / (verify_cost(k) + draft_cost(k)) against plain decoding."""
@@ -302,7 +297,7 @@ class DepthPolicy:
             k_batch = max(range(top + 1), key=lambda k: (rates[k] if k == 0 or rates[k] > base else 0.0, -k))
             ks = []
             for a, c in zip(alphas, caps):
-                share = [self.tokens(a, k) / (self.cost(n, self.nodes(k)) / n + k * self.draft_cost)
+                share = [geometric_tokens(a, k) / (self.cost(n, self.nodes(k)) / n + k * self.draft_cost)
                          for k in range(min(k_batch, c) + 1)]
                 ks.append(max(range(len(share)), key=lambda k: (share[k] if k == 0 or share[k] > share[0] * need
                                                                 else 0.0, -k)))
@@ -312,44 +307,31 @@ class DepthPolicy:
         return ks
 
     def optimism(self) -> float:
-        """How far drafted steps have cost more than the policy predicted, relative to plain steps: (measured /
-        predicted cost of drafted steps) / (the same ratio of plain steps), over decayed recent steps; 1 until
-        there is evidence, never below 1, at most 1.5. It covers what the cost model gets wrong: attention that
-        grows with longer contexts than the curve's, trees priced as chains. (A step in which a drafter catches
-        up is left out.) Tokens are not in it: `token_scale` corrects them both ways, in the expected tokens
-        themselves (as a factor on the need to beat plain decoding, a shortfall could only be held against
-        drafting: suffix decoding in front of EAGLE-3 emitted 2x the accepted drafts expected of it, and `auto`
-        ran 1.27x against 1.32x with the correction on 39 held-out Spec-Bench prompts)."""
-        exp, got, pred, meas, _ = self._drafted
+        """How far drafted steps have fallen short of what the policy expected of them, relative to plain steps:
+        (expected / emitted tokens) x (measured cost of drafted steps / their cost at the width the plan priced)
+        / (the same cost ratio of plain steps), over decayed recent steps; 1 until there is evidence, never below
+        1, at most 1.5. It covers what the model gets wrong: attention that grows with longer contexts than the
+        curve's, acceptance judged at a prior during a row's trial, trees priced as chains, and a hybrid's
+        depth-1 steps that verify its suffix tree whole: 2.1 tokens where 1.6 were expected, for a pass up to 9
+        tokens wide where 2 were priced: judged at the realized width, its tokens counted while its pass hid
+        its cost. (Crediting such a surplus in the expected tokens as well ran slower on two held-out Spec-Bench
+        slices: 1.375x / 1.319x against 1.429x / 1.333x; BENCHMARKS.md, seventeenth session.) (A step in which a
+        drafter catches up is left out.)"""
+        exp, got, pred, meas = self._drafted
         p_pred, p_meas = self._plain
         if got < 16 or pred <= 0 or meas <= 0:
             return 1.0
         plain = p_meas / p_pred if p_pred > 0 and p_meas > 0 else 1.0
-        tokens = 1.0 if self.token_calibration else exp / got
-        return min(max(tokens * meas / pred / plain, 1.0), 1.5)
-
-    def token_scale(self) -> float:
-        """How many accepted drafts drafted steps have emitted per one the policy expected (decayed recent steps,
-        catch-ups left out), within [TOKEN_SCALE_MIN, TOKEN_SCALE_MAX]; 1 until there is evidence."""
-        exp, got, _, _, rows = self._drafted
-        if not self.token_calibration or got < 16 or exp - rows < 4.0:
-            return 1.0
-        return min(max((got - rows) / (exp - rows), TOKEN_SCALE_MIN), TOKEN_SCALE_MAX)
-
-    def tokens(self, alpha: float, k: int) -> float:
-        """Expected tokens of a step drafting k deep at acceptance alpha: the geometric run's, its accepted part
-        scaled by what drafted steps have emitted (`token_scale`)."""
-        g = geometric_tokens(alpha, k)
-        return 1.0 + (g - 1.0) * self.token_scale() if k else g
+        return min(max(exp / got * meas / pred / plain, 1.0), 1.5)
 
     def need(self) -> float:
         """The factor by which a depth must beat plain decoding to be chosen."""
         return self.margin * self.optimism()
 
     def _account(self, expected: float, emitted: int, predicted: float, measured: float, drafted: bool,
-                 decay: float = 0.97, rows: int = 1) -> None:
+                 decay: float = 0.97) -> None:
         if drafted:
-            for i, v in enumerate((expected, emitted, predicted, measured, rows)):
+            for i, v in enumerate((expected, emitted, predicted, measured)):
                 self._drafted[i] = self._drafted[i] * decay + v
         else:
             self._plain = [self._plain[0] * decay + predicted, self._plain[1] * decay + measured]
@@ -360,7 +342,7 @@ class DepthPolicy:
         n = len(ks)
         if not any(ks):
             return True
-        tokens = sum(self.tokens(a, k) for a, k in zip(alphas, ks))
+        tokens = sum(geometric_tokens(a, k) for a, k in zip(alphas, ks))
         cost = self.cost(n, max(self.nodes(k) for k in ks)) + sum(ks) * self.draft_cost
         return tokens / cost > self.need() * n / self.cost(n, 1)
 
@@ -434,14 +416,14 @@ class DepthPolicy:
             if unit and rep.pass_seconds > 0 and not plan.backlog:  # before calibration: what the curve predicted
                 # (a step in which a drafter catches up is left out, as from the drafting cost: a one-off per pause)
                 # priced at the width the plan assumed: a hybrid's depth-1 step that verifies its suffix tree
-                # 8 deep runs a 9-token pass (in a batch, every row's), and its surplus tokens (`token_scale`) must
-                # not be credited without that cost
+                # 8 deep runs a 9-token pass (in a batch, every row's) and emits more than a depth-1 chain; the
+                # two surprises are weighed together (`optimism`)
                 predicted = self.cost(n, max(plan.width, 1)) + sum(ks[i] for i in drafted) * self.draft_cost
                 measured = (rep.pass_seconds + rep.draft_seconds) / unit
                 if self.cost.frozen:  # a forced curve defines its own unit: only its tokens can be checked
                     predicted = measured = 1.0
                 self._account(sum(geometric_tokens(a, k) for a, k in zip(plan.alphas, ks)),
-                              sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1, rows=n)
+                              sum(1 + a for a in rep.accepted), predicted, measured, drafted=rep.width > 1)
             if drafted and unit and rep.pass_seconds > 0:  # before calibration, in this step's own unit
                 spent = (rep.pass_seconds + rep.draft_seconds) / unit / self.cost(n, 1)
                 self.value = self.value * 0.98 + sum(1 + a for a in rep.accepted) / n - spent
@@ -470,7 +452,7 @@ class DepthPolicy:
         every later request (tau 1.00 on 25 prompts in a row). Relearning costs the next few drafted steps."""
         self._draft_obs.clear()
         self.draft_cost = 0.0
-        self._drafted = [0.0, 0.0, 0.0, 0.0, 0.0]
+        self._drafted = [0.0, 0.0, 0.0, 0.0]
         self._plain = [0.0, 0.0]
         self._quiet = 0  # (`value` stays: every `explore_every`-th row is probed, which renews it)
 
@@ -489,7 +471,7 @@ class DepthPolicy:
             log.exception("drafter free_drafts failed: none this step")
             return set()
         n = len(rows)
-        tokens = sum(self.tokens(self.alpha(r.acc), k) for r, k in zip(rows, ks))
+        tokens = sum(geometric_tokens(self.alpha(r.acc), k) for r, k in zip(rows, ks))
         width = max(self.nodes(k) if k else 1 for k in ks)
         taken = set()
         self.last_free_width = width

@@ -287,8 +287,8 @@ def test_drafter_swapped_mid_run_for_a_failing_one(tiny, caplog):
         assert _waves(sch, 8) == [ref] * 32
         tail = steps[-4 * (N - 1):]
         drafted = sum(d for _, _, d in tail) / sum(n for n, _, _ in tail)
-        assert sch.policy.token_scale() < 0.5 and drafted < 0.1, (sch.policy.token_scale(), drafted)
-        sch.policy.token_scale = lambda: 1.0  # the same policy without its accounting drafts every trial
+        assert sch.policy.optimism() > 1.2 and drafted < 0.1, (sch.policy.optimism(), drafted)
+        sch.policy.optimism = lambda: 1.0  # the same policy without its accounting drafts every trial
         assert _waves(sch, 4) == [ref] * 16
         tail = steps[-4 * (N - 1):]
         assert sum(d for _, _, d in tail) / sum(n for n, _, _ in tail) > 0.3
