@@ -5,21 +5,19 @@ before each prompt. Run it on a quiet host (with another process on a core both 
 
     python scripts/probe_vs_live.py
 """
-import json
 import os
 import statistics
 import sys
 import time
 
 import torch
-import specloom.engine as engine
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specbench_prompts  # noqa: E402
+import specloom.engine as engine  # noqa: E402
 from specloom import step as step_mod
 torch.set_num_threads(2)
-bench = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "eval", "spec_bench.jsonl")
-first = {}
-for r in map(json.loads, open(bench)):
-    first.setdefault(r["category"], r)
-prompts = [r["turns"][0] for r in list(first.values())[:8]]
+prompts = specbench_prompts.prompts(1)[:8]
 widths = {}
 pass0 = step_mod.Stepper._target_pass
 def timed(self, tokens, positions, p, mask, capture):

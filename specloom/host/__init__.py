@@ -17,6 +17,7 @@ May import: errors and the standard library (and models/ for the kernel choice);
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import os
@@ -96,6 +97,20 @@ def host_key() -> str:
     info = host_info()
     parts = {k: info[k] for k in ("cpu", "cpu_flags", "isa", "mkldnn_bf16", "threads", "torch")}
     return hashlib.sha1(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+@functools.lru_cache(maxsize=1)
+def last_level_cache_bytes() -> int:
+    """This CPU's last-level cache (Linux sysfs; 32 MiB where it cannot be read)."""
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path) as f:
+                text = f.read().strip().upper()
+            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
+        except (OSError, ValueError, IndexError):
+            continue
+    return max(sizes, default=32 << 20)
 
 
 def sync(device: torch.device) -> None:

@@ -31,6 +31,7 @@ import time
 
 import torch
 
+from ...host import last_level_cache_bytes
 from ...models import fused_stack
 from ...sampling import SamplingParams
 from ...tree import DraftTree
@@ -39,21 +40,6 @@ from ..rows import chains, draw, fitting_groups, keep_best, own_store, small_ten
 
 log = logging.getLogger("specloom")
 DEFAULTS = {"eagle": (5, 1, None), "eagle3": (6, 6, 24)}  # depth, tree_width, num_draft_tokens (tuned values live in the checkpoint)
-
-
-def _last_level_cache_bytes() -> int:
-    """This CPU's last-level cache (Linux sysfs; 32 MiB where it cannot be read)."""
-    import glob
-
-    sizes = []
-    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
-        try:
-            with open(path) as f:
-                text = f.read().strip().upper()
-            sizes.append(int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text))
-        except (OSError, ValueError, IndexError):
-            continue
-    return max(sizes, default=32 << 20)
 
 
 class Candidates:
@@ -245,7 +231,7 @@ class EagleDrafter(Drafter):
         ctx.state.feats = [torch.randn(128, F, generator=g).to(m.dtype)]
         kinds = [(None, 1)] + [(w, w) for w in widths]
         times: dict = {k: [] for k, _ in kinds}
-        flush = torch.empty(2 * _last_level_cache_bytes(), dtype=torch.uint8)  # a target pass streams its weights
+        flush = torch.empty(2 * last_level_cache_bytes(), dtype=torch.uint8)  # a target pass streams its weights
         # between two drafts: the drafter's own are not in cache then (timed warm, c0 read 0.09 against 0.135)
         try:
             self.early_stop = False
